@@ -1,0 +1,97 @@
+"""`pagellm bench throughput`: offline output tokens/s at several batch sizes.
+
+Each batch size runs that many prompts at once (random token ids, fixed input
+and output lengths, EOS ignored), so the figure is the engine's throughput at
+that concurrency. `--hf-baseline` runs the same prompts through Hugging Face
+transformers `generate()`, one prompt at a time, on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.llm import LLM
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class ThroughputResult:
+    label: str
+    num_requests: int
+    seconds: float
+    input_tokens: int
+    output_tokens: int
+
+    def line(self) -> str:
+        total = self.input_tokens + self.output_tokens
+        return (f"[{self.label}] Throughput: {self.num_requests / self.seconds:.2f} requests/s, "
+                f"{total / self.seconds:.2f} total tokens/s, "
+                f"{self.output_tokens / self.seconds:.2f} output tokens/s")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser, skip=("max_num_seqs",))
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="1,8,32,64",
+                        help="comma-separated concurrency levels")
+    parser.add_argument("--hf-baseline", type=int, default=0, metavar="N",
+                        help="also time N prompts through transformers generate(), one at a time")
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def run(args: argparse.Namespace) -> list[ThroughputResult]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.max_num_seqs = max(batch_sizes)
+    llm = LLM(**vars(engine_args))
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(random_prompts(1, args.input_len, vocab, 0), params, use_tqdm=False)  # warm-up
+    results = []
+    for batch in batch_sizes:
+        prompts = random_prompts(batch, args.input_len, vocab, batch)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results.append(ThroughputResult(f"pagellm batch={batch}", batch, seconds,
+                                        batch * args.input_len, produced))
+        print(results[-1].line(), flush=True)
+    if args.hf_baseline:
+        results.append(run_hf_baseline(llm, args, random_prompts(args.hf_baseline, args.input_len,
+                                                                 vocab, 1)))
+        print(results[-1].line(), flush=True)
+    return results
+
+
+def run_hf_baseline(llm: LLM, args: argparse.Namespace,
+                    prompts: list[list[int]]) -> ThroughputResult:
+    """transformers generate() on the same weights and dtype, one request at a time."""
+    from transformers import AutoModelForCausalLM
+
+    path = llm.engine.core.loaded.path
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    folder = path.parent if path.suffix == ".gguf" else path
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=llm.engine.core.dtype, **kwargs)
+    model.eval()
+    start = time.perf_counter()
+    produced = 0
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=args.output_len, min_new_tokens=args.output_len)
+            produced += out.shape[1] - ids.shape[1]
+    return ThroughputResult("transformers generate() batch=1", len(prompts),
+                            time.perf_counter() - start, len(prompts) * args.input_len, produced)

@@ -1,0 +1,84 @@
+"""What the scheduler decides for one step and what comes back from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.request import Request
+from pagellm.sample.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """`num_tokens` of `request` from position `start` run this step; fixed when scheduled."""
+
+    request: Request
+    num_tokens: int
+    start: int
+    num_samples: int
+
+    @classmethod
+    def for_chunk(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
+        """A chunk reaching the last known token samples; a prompt with n > 1 samples n
+        first tokens from one set of logits, one per sibling."""
+        start = request.num_computed_tokens
+        samples = start + num_tokens == request.num_tokens
+        forks = (request.sampling_params.n > 1 and request.parent_id is None
+                 and request.num_output_tokens == 0)
+        num_samples = (request.sampling_params.n if forks else 1) if samples else 0
+        return cls(request, num_tokens, start, num_samples)
+
+    @property
+    def samples(self) -> bool:
+        return self.num_samples > 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per request id (n tokens for a prompt that forks), logprobs alike."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestUpdate:
+    """New tokens of one sequence after a step: a small record that crosses processes."""
+
+    request_id: str
+    parent_id: str | None
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A small record per step for the loggers; nothing here is computed by them in the loop."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int

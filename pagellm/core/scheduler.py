@@ -1,0 +1,188 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+There are no prefill and decode phases. Each request has tokens (prompt and
+output so far) and a count of tokens whose KV is computed; every step lets
+the computed count catch up under one token budget. Running requests go
+first, in admission order, then waiting ones in FCFS order. Long prompts are
+thereby split over steps (chunked prefill), and a prefill chunk leaves room
+for the running decodes behind it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.sched_output import (ModelRunnerOutput, RequestUpdate, ScheduledRequest,
+                                       SchedulerOutput, SchedulerStats)
+from pagellm.request import Request, RequestStatus, child_request_id
+from pagellm.sample.sampler import TokenLogprobs
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_prompt_tokens = 0
+        self._step_generation_tokens = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        if output.is_empty and self.waiting and self._release_waiting_blocks():
+            self._schedule_waiting(output, budget)
+        self._step_prompt_tokens = sum(
+            min(s.num_tokens, max(0, s.request.num_prompt_tokens - s.start)) for s in output.scheduled)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1:
+                pending_decodes -= 1
+                num_tokens = 1
+            else:
+                num_tokens = min(remaining, max(1, budget - pending_decodes))
+            num_tokens = min(num_tokens, budget)
+            if not self._make_room(request, num_tokens, output):
+                break
+            self.kv.allocate_slots(request, num_tokens)
+            output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _make_room(self, request: Request, num_tokens: int, output: SchedulerOutput) -> bool:
+        """Preempt the most recently admitted requests until `request` fits; False if it went too."""
+        while not self.kv.can_allocate(request, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.can_allocate(request, num_tokens):
+                break
+            self.waiting.popleft()
+            self.kv.allocate_slots(request, num_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens))
+            budget -= num_tokens
+
+    def _release_waiting_blocks(self) -> bool:
+        """Last resort when nothing can run: waiting forks give back the blocks they share."""
+        holders = [r for r in self.waiting if r.block_ids]
+        for request in holders:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        return bool(holders)
+
+    def update_from_output(self, scheduled: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance computed counts, append sampled tokens, finish requests that are done."""
+        updates: list[RequestUpdate] = []
+        self._step_generation_tokens = 0
+        for item in scheduled.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            sampled = runner_output.sampled.get(request.request_id)
+            if not sampled:
+                continue
+            logprobs = runner_output.logprobs.get(request.request_id) or [None] * len(sampled)
+            for child_index, (token_id, logprob) in enumerate(zip(sampled[1:], logprobs[1:]), 1):
+                updates.append(self._fork_child(request, child_index, token_id, logprob))
+            updates.append(self._append_token(request, sampled[0], logprobs[0]))
+        return updates
+
+    def _append_token(self, request: Request, token_id: int,
+                      logprob: TokenLogprobs | None) -> RequestUpdate:
+        request.append_output_token(token_id)
+        self._step_generation_tokens += 1
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            self._finish(request, status)
+        return RequestUpdate(request.request_id, request.parent_id, request.index, [token_id],
+                             [logprob], request.status.finish_reason, request.stop_reason)
+
+    def _fork_child(self, parent: Request, index: int, token_id: int,
+                    logprob: TokenLogprobs | None) -> RequestUpdate:
+        child = Request(
+            request_id=child_request_id(parent.request_id, index), prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params, max_tokens=parent.max_tokens,
+            eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
+            parent_id=parent.request_id, index=index)
+        self.kv.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.waiting.appendleft(child)
+        return self._append_token(child, token_id, logprob)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string); unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(), num_prompt_tokens=self._step_prompt_tokens,
+            num_generation_tokens=self._step_generation_tokens,
+            num_preemptions=self.num_preemptions)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(list(self.requests.values()))

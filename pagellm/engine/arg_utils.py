@@ -1,0 +1,82 @@
+"""Engine arguments with vLLM's names; the CLI and the `LLM` class both build these."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+
+_HELP = {
+    "model": "local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer folder, if not the model's own",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 where the hardware has it)",
+    "max_model_len": "context length (prompt + output); default: the model's",
+    "seed": "seed of the engine's random generator",
+    "block_size": "tokens per KV cache block",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
+    "kv_cache_memory": "KV cache budget in bytes on CPU (also VLLM_CPU_KVCACHE_SPACE in GiB); "
+                       "default 4 GiB",
+    "num_gpu_blocks_override": "exact number of KV cache blocks (testing)",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "token budget of one step (the chunked-prefill size)",
+    "chat_template": "a Jinja chat template file or string overriding the model's",
+    "served_model_name": "the model name the API answers to",
+    "device": "auto, cpu or cuda",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                           max_model_len=self.max_model_len, seed=self.seed,
+                           chat_template=self.chat_template,
+                           served_model_name=self.served_model_name)
+
+    def cache_config(self) -> CacheConfig:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}.")
+        return CacheConfig(block_size=self.block_size,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           kv_cache_memory=self.kv_cache_memory,
+                           num_gpu_blocks_override=self.num_gpu_blocks_override)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                 max_num_batched_tokens=self.max_num_batched_tokens)
+        config.validate()
+        return config
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one `--flag-name` per field, with vLLM's spelling."""
+        for field in fields(cls):
+            if field.name in skip:
+                continue
+            kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
+            parser.add_argument("--" + field.name.replace("_", "-"), type=kind,
+                                default=field.default, help=_HELP[field.name])
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
+                      if hasattr(namespace, f.name)})

@@ -1,0 +1,118 @@
+"""The engine core: scheduler, KV cache manager and model runner, stepped together.
+
+It deals in `Request` objects and token ids only; text lives outside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.sched_output import RequestUpdate, SchedulerStats
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.input_processor import ModelInfo
+from pagellm.logger import init_logger
+from pagellm.model.loader import LoadedModel, load_model
+from pagellm.platform import resolve_dtype
+from pagellm.request import Request, RequestStatus
+from pagellm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+_GIB = float(1 << 30)
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, device: torch.device) -> None:
+        start = time.perf_counter()
+        self.device = device
+        self.dtype = resolve_dtype(model_config.dtype, device)
+        self.loaded: LoadedModel = load_model(model_config.model, self.dtype, device,
+                                              model_config.tokenizer)
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        logger.info("Model loading took %.4f GiB and %.6f seconds",
+                    weights_bytes / _GIB, time.perf_counter() - start)
+        self.max_model_len = resolve_max_model_len(model_config.max_model_len,
+                                                   self.loaded.arch.max_position_embeddings)
+        scheduler_config.max_model_len = self.max_model_len
+        self.cache_config = cache_config
+        self.runner = ModelRunner(self.loaded.model, self.loaded.arch, cache_config.block_size,
+                                  device, self.dtype, model_config.seed)
+        self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.scheduler = Scheduler(scheduler_config,
+                                   KVCacheManager(self.num_blocks, cache_config.block_size))
+
+    def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
+        cache = self.cache_config
+        block_bytes = self.runner.block_bytes()
+        if cache.num_gpu_blocks_override is not None:
+            available = cache.num_gpu_blocks_override * block_bytes
+        elif self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            peak = self.runner.profile_peak_bytes(
+                min(scheduler_config.max_num_batched_tokens, self.max_model_len))
+            available = int(total * cache.gpu_memory_utilization) - weights_bytes - peak
+        else:
+            available = cache.cpu_kv_cache_bytes()
+        num_blocks = max(0, available // block_bytes)
+        tokens = num_blocks * cache.block_size
+        logger.info("Available KV cache memory: %.2f GiB", available / _GIB)
+        prefix = "GPU " if self.device.type == "cuda" else ""
+        logger.info("%sKV cache size: %s tokens", prefix, f"{tokens:,}")
+        self._check_fits(num_blocks, block_bytes, available)
+        concurrency = num_blocks / cdiv(self.max_model_len, cache.block_size)
+        logger.info("Maximum concurrency for %s tokens per request: %.2fx",
+                    f"{self.max_model_len:,}", concurrency)
+        return num_blocks
+
+    def _check_fits(self, num_blocks: int, block_bytes: int, available: int) -> None:
+        """One request of max_model_len tokens must fit, or we fail now rather than hang later."""
+        needed_blocks = cdiv(self.max_model_len, self.cache_config.block_size)
+        if num_blocks >= needed_blocks:
+            return
+        largest = num_blocks * self.cache_config.block_size
+        raise ValueError(
+            f"To serve at least one request with the model's max seq len ({self.max_model_len}), "
+            f"{needed_blocks * block_bytes / _GIB:.2f} GiB KV cache is needed, which is larger "
+            f"than the available KV cache memory ({available / _GIB:.2f} GiB). Based on the "
+            f"available memory, the largest max_model_len that fits is {largest}. Try increasing "
+            "the KV cache memory (kv_cache_memory / gpu_memory_utilization) or setting "
+            f"max_model_len to at most {largest}.")
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(max_model_len=self.max_model_len, vocab_size=self.loaded.arch.vocab_size,
+                         eos_token_ids=list(self.loaded.eos_token_ids))
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return [], self.scheduler.make_stats()
+        runner_output = self.runner.execute(scheduled)
+        updates = self.scheduler.update_from_output(scheduled, runner_output)
+        return updates, self.scheduler.make_stats()
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {requested}.")
+    if requested > model_max:
+        raise ValueError(
+            f"max_model_len ({requested}) is greater than the model's maximum context length "
+            f"({model_max}, max_position_embeddings).")
+    return requested

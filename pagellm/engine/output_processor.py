@@ -1,0 +1,152 @@
+"""Turns per-step token updates into user-facing outputs: text, stop strings, n siblings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagellm.core.sched_output import RequestUpdate
+from pagellm.detokenizer import IncrementalDetokenizer
+from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.sample.sampler import TokenLogprobs
+from pagellm.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every step, the whole output so far
+    DELTA = "delta"  # every step, only what is new (streaming)
+    FINAL_ONLY = "final_only"  # once, when all n sequences are done
+
+
+@dataclass
+class _Sequence:
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: OutputKind
+    sequences: list[_Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, kind: OutputKind, arrival_time: float) -> None:
+        sequences = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                               logprobs=[] if params.logprobs is not None else None,
+                               cumulative_logprob=0.0 if params.logprobs is not None else None)
+                     for _ in range(params.n)]
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, kind,
+                                               sequences, RequestMetrics(arrival_time))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sequence aborted; returns the final output, if it was live."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        for sequence in state.sequences:
+            sequence.finish_reason = sequence.finish_reason or "abort"
+        return self._make_output(state, state.sequences)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand out and the ids of requests a stop string finished."""
+        now = time.monotonic()
+        touched: dict[str, list[_Sequence]] = {}
+        stopped: list[str] = []
+        for update in updates:
+            state = self.states.get(update.parent_id or update.request_id)
+            if state is None:
+                continue
+            sequence = state.sequences[update.index]
+            if self._apply(sequence, update):
+                stopped.append(update.request_id)
+            state.metrics.first_token_time = state.metrics.first_token_time or now
+            state.metrics.last_token_time = now
+            touched.setdefault(state.request_id, [])
+            if sequence not in touched[state.request_id]:
+                touched[state.request_id].append(sequence)
+        outputs = []
+        for request_id, sequences in touched.items():
+            output = self._output_for(self.states[request_id], sequences, now)
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped
+
+    def _apply(self, sequence: _Sequence, update: RequestUpdate) -> bool:
+        sequence.token_ids.extend(update.new_token_ids)
+        for logprob in update.new_logprobs:
+            if logprob is not None and sequence.logprobs is not None:
+                sequence.logprobs.append(self._to_logprob_dict(logprob))
+                sequence.cumulative_logprob += logprob.logprob
+        stop_token_ended = update.finish_reason == "stop"  # the core stops on tokens only
+        stop_string = sequence.detokenizer.update(update.new_token_ids, stop_token_ended)
+        if stop_string is not None:
+            sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+            return not update.finished
+        if update.finished:
+            sequence.finish_reason, sequence.stop_reason = update.finish_reason, update.stop_reason
+        return False
+
+    def _to_logprob_dict(self, logprob: TokenLogprobs) -> dict[int, Logprob]:
+        entries = {logprob.token_id: Logprob(logprob.logprob, logprob.rank)}
+        for rank, (token_id, value) in enumerate(logprob.top, 1):
+            entries.setdefault(token_id, Logprob(value, rank))
+        for token_id, entry in entries.items():
+            entry.decoded_token = self.tokenizer.decode([token_id])
+        return entries
+
+    def _output_for(self, state: RequestState, sequences: list[_Sequence],
+                    now: float) -> RequestOutput | None:
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time = now
+            del self.states[state.request_id]
+        if state.kind is OutputKind.FINAL_ONLY:
+            return self._make_output(state, state.sequences) if finished else None
+        if state.kind is OutputKind.CUMULATIVE:
+            return self._make_output(state, state.sequences)
+        return self._make_output(state, sequences, delta=True)
+
+    def _make_output(self, state: RequestState, sequences: list[_Sequence],
+                     delta: bool = False) -> RequestOutput:
+        completions = [self._completion(state, seq, delta) for seq in sequences]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished=state.finished, metrics=state.metrics)
+
+    @staticmethod
+    def _completion(state: RequestState, sequence: _Sequence, delta: bool) -> CompletionOutput:
+        index = state.sequences.index(sequence)
+        finished = sequence.finish_reason is not None
+        if delta:
+            start, sequence.num_sent_tokens = sequence.num_sent_tokens, len(sequence.token_ids)
+            text = sequence.detokenizer.get_delta(final=finished)
+            token_ids = sequence.token_ids[start:]
+            logprobs = sequence.logprobs[start:] if sequence.logprobs is not None else None
+        else:
+            text = sequence.detokenizer.output_text
+            token_ids, logprobs = list(sequence.token_ids), sequence.logprobs
+        return CompletionOutput(index, text, token_ids, sequence.cumulative_logprob, logprobs,
+                                sequence.finish_reason, sequence.stop_reason)

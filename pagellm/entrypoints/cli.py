@@ -1,0 +1,49 @@
+"""`pagellm` command line: the same verbs and flag names as `vllm`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pagellm.benchmarks import throughput
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags or values end in one line on stderr, never a traceback."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pagellm", description="Serve and benchmark LLMs with a paged KV cache.")
+    verbs = parser.add_subparsers(dest="verb", metavar="{bench}", parser_class=_Parser)
+    bench = verbs.add_parser("bench", help="benchmark the engine")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput}",
+                                       parser_class=_Parser)
+    bench_throughput = bench_kinds.add_parser("throughput", help="offline output tokens/s")
+    throughput.add_cli_args(bench_throughput)
+    bench_throughput.set_defaults(handler=throughput.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 1
+    try:
+        handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"pagellm: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

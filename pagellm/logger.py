@@ -1,0 +1,26 @@
+"""Logging in vLLM's line format, so that log scrapers and habits carry over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+_DATE_FORMAT = "%m-%d %H:%M:%S"
+
+
+def _configure_root() -> None:
+    root = logging.getLogger("pagellm")
+    if root.handlers or os.environ.get("PAGELLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO"))
+    root.propagate = False
+
+
+def init_logger(name: str) -> logging.Logger:
+    _configure_root()
+    return logging.getLogger(name)

@@ -1,0 +1,133 @@
+"""Attention over the paged KV cache.
+
+The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads,
+head_dim]`. New keys and values are written at their slots (`block_id *
+block_size + offset`); queries then read the keys of their request through its
+block table. Requests are attended in two padded groups, one call each for the
+whole batch: decodes (one query token each) and prefills (chunks of prompt).
+Splitting keeps a long prefill chunk from padding every decode to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Tensors for attending one group of requests with a padded query."""
+
+    query_index: torch.Tensor  # [B, Q] flat token index of each query slot (0 for padding)
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] True where a key is visible
+    valid_slots: torch.Tensor  # positions in the flattened [B * Q] that are real tokens
+    token_index: torch.Tensor  # flat token index of each real slot, same order
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the model runner and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Group the step's requests; `seq_lens` count the tokens known after this step."""
+    query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+    groups = [
+        _build_group(members, query_starts, query_lens, seq_lens, block_tables, block_size, device)
+        for members in (decodes, prefills) if members
+    ]
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups,
+                             num_tokens=int(sum(query_lens)))
+
+
+def _build_group(
+    members: list[int],
+    query_starts: np.ndarray,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    q_lens = np.array([query_lens[i] for i in members], dtype=np.int64)
+    s_lens = np.array([seq_lens[i] for i in members], dtype=np.int64)
+    starts = query_starts[members]
+    num_reqs, max_q = len(members), int(q_lens.max())
+    max_blocks = int(-(-s_lens.max() // block_size))
+
+    offsets = np.arange(max_q, dtype=np.int64)
+    valid = offsets[None, :] < q_lens[:, None]
+    query_index = np.where(valid, starts[:, None] + offsets[None, :], 0)
+
+    table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for row, i in enumerate(members):
+        blocks = block_tables[i][:max_blocks]
+        table[row, : len(blocks)] = blocks
+
+    key_pos = np.arange(max_blocks * block_size, dtype=np.int64)
+    query_pos = (s_lens - q_lens)[:, None] + offsets[None, :]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+
+    flat_valid = np.flatnonzero(valid.reshape(-1))
+    return AttentionGroup(
+        query_index=torch.from_numpy(query_index).to(device),
+        block_tables=torch.from_numpy(table).to(device),
+        mask=torch.from_numpy(mask[:, None]).to(device),
+        valid_slots=torch.from_numpy(flat_valid).to(device),
+        token_index=torch.from_numpy(query_index.reshape(-1)[flat_valid]).to(device),
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] -> [T, H * D]."""
+    write_kv(kv_cache, key, value, metadata.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    out = query.new_empty(num_tokens, num_heads * head_dim)
+    for group in metadata.groups:
+        out.index_copy_(0, group.token_index, _attend_group(query, kv_cache, group, scale))
+    return out
+
+
+def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
+                  scale: float) -> torch.Tensor:
+    num_reqs, max_q = group.query_index.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+    kv = kv_cache[:, group.block_tables]  # [2, B, blocks, block_size, KVH, D]
+    kv = kv.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, KVH, L, D]
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scale,
+                                         enable_gqa=True)
+    out = out.transpose(1, 2).reshape(num_reqs * max_q, -1)
+    return out[group.valid_slots]

