@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagellm.core.sched_output import RequestUpdate
 from pagellm.detokenizer import IncrementalDetokenizer
+from pagellm.metrics.stats import FinishedRequestStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sample.sampler import TokenLogprobs
 from pagellm.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -71,9 +73,14 @@ class OutputProcessor:
             sequence.finish_reason = sequence.finish_reason or "abort"
         return self._make_output(state, state.sequences)
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand out and the ids of requests a stop string finished."""
+    def process(self, updates: list[RequestUpdate],
+                stats: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand out and the ids of requests a stop string finished.
+
+        Latencies of this step are added to `stats` when given.
+        """
         now = time.monotonic()
+        stats = stats if stats is not None else IterationStats()
         touched: dict[str, list[_Sequence]] = {}
         stopped: list[str] = []
         for update in updates:
@@ -83,17 +90,38 @@ class OutputProcessor:
             sequence = state.sequences[update.index]
             if self._apply(sequence, update):
                 stopped.append(update.request_id)
-            state.metrics.first_token_time = state.metrics.first_token_time or now
-            state.metrics.last_token_time = now
+            stats.num_generation_tokens += len(update.new_token_ids)
+            self._record_latency(state, sequence, now, stats)
             touched.setdefault(state.request_id, [])
             if sequence not in touched[state.request_id]:
                 touched[state.request_id].append(sequence)
         outputs = []
         for request_id, sequences in touched.items():
-            output = self._output_for(self.states[request_id], sequences, now)
+            state = self.states[request_id]
+            output = self._output_for(state, sequences, now)
+            if state.finished:
+                stats.finished_requests.append(self._finished_stats(state, now))
             if output is not None:
                 outputs.append(output)
         return outputs, stopped
+
+    @staticmethod
+    def _record_latency(state: RequestState, sequence: _Sequence, now: float,
+                        stats: IterationStats) -> None:
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
+        elif sequence.last_token_time is not None:
+            stats.inter_token_latencies.append(now - sequence.last_token_time)
+        sequence.last_token_time = state.metrics.last_token_time = now
+
+    @staticmethod
+    def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:
+        reasons = [s.finish_reason for s in state.sequences]
+        return FinishedRequestStats(
+            finish_reason=reasons[0] or "abort", e2e_latency=now - state.metrics.arrival_time,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=sum(len(s.token_ids) for s in state.sequences))
 
     def _apply(self, sequence: _Sequence, update: RequestUpdate) -> bool:
         sequence.token_ids.extend(update.new_token_ids)

@@ -1,0 +1,160 @@
+"""The engine for the server: the core runs in its own process, requests are async streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_client import EngineCoreClient, StepResult
+from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.logger import init_logger
+from pagellm.metrics.loggers import (LOG_INTERVAL_SECONDS, LoggingStatLogger,
+                                     PrometheusStatLogger, StatLogger)
+from pagellm.metrics.stats import IterationStats
+from pagellm.outputs import RequestOutput
+from pagellm.request import RequestStatus, child_request_id
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import apply_chat_template, load_tokenizer
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+def resolve_chat_template(value: str | None, default: str | None) -> str | None:
+    """`--chat-template` is a file path or the template itself."""
+    if value is None:
+        return default
+    path = Path(value).expanduser()
+    return path.read_text() if path.is_file() else value
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, log_stats: bool = True) -> None:
+        self.args = args
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._dead = False
+        self._closing = False
+        self.client = EngineCoreClient(args, self._on_result, self._on_dead)
+        ready = self.client.ready
+        self.info = ready.info
+        self.model_path = Path(ready.model_path)
+        self.tokenizer = load_tokenizer(self.model_path, args.tokenizer)
+        self.chat_template = resolve_chat_template(args.chat_template, ready.chat_template)
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.model_name = args.served_model_name or args.model or self.model_path.name
+        self.stat_loggers: list[StatLogger] = []
+        if log_stats:
+            kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
+            self.stat_loggers = [LoggingStatLogger(kv_label), PrometheusStatLogger(self.model_name)]
+        self._log_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = True) -> "AsyncLLM":
+        return cls(args, log_stats)
+
+    @property
+    def errored(self) -> bool:
+        return self._dead
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, chat_template or self.chat_template,
+                                   add_generation_prompt, **kwargs)
+
+    async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs; leaving the loop early aborts the request and frees its blocks."""
+        if self._dead:
+            raise EngineDeadError("the engine core process is not running.")
+        self._bind_loop()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.input_processor.process_prompt(prompt)
+        request = self.input_processor.make_request(request_id, prompt, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_request(request_id, prompt.text, prompt.token_ids,
+                                          request.sampling_params, OutputKind.DELTA,
+                                          request.arrival_time)
+        self.client.add_request(request)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        output = self.output_processor.abort(request_id)
+        if output is None or self._dead:
+            return
+        ids = [child_request_id(request_id, i) for i in range(len(output.outputs))]
+        self.client.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(output)
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            if self.stat_loggers:
+                self._log_task = self._loop.create_task(self._log_periodically())
+
+    def _on_result(self, result: StepResult) -> None:
+        """Called on the reader thread; the work happens on the event loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._process_result, result)
+
+    def _process_result(self, result: StepResult) -> None:
+        iteration = IterationStats()
+        outputs, stopped = self.output_processor.process(result.updates, iteration)
+        self.client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(result.stats, iteration)
+
+    def _on_dead(self) -> None:
+        if self._closing:
+            return
+        self._dead = True
+        logger.error("The engine core process died; failing all requests.")
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _fail_all(self) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("the engine core process died."))
+
+    async def _log_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(LOG_INTERVAL_SECONDS)
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self._log_task is not None:
+            self._log_task.cancel()
+        self.client.shutdown()

@@ -1,0 +1,141 @@
+"""Stat loggers: the periodic log line and the Prometheus metrics, with vLLM's wording and names."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from pagellm.core.sched_output import SchedulerStats
+from pagellm.logger import init_logger
+from pagellm.metrics.stats import IterationStats
+
+logger = init_logger(__name__)
+
+LOG_INTERVAL_SECONDS = 10.0
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None: ...
+
+    def log(self) -> None: ...
+
+
+class LoggingStatLogger:
+    """Logs throughput and queue state every interval while the engine has had work."""
+
+    def __init__(self, kv_label: str = "KV cache usage") -> None:
+        self.kv_label = kv_label
+        self.last: SchedulerStats | None = None
+        self._reset(time.monotonic())
+        self._logged_idle = True
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
+        if scheduler is not None:
+            self.prompt_tokens += scheduler.num_prompt_tokens
+            self.last = scheduler
+        self.generation_tokens += iteration.num_generation_tokens
+
+    def log(self) -> None:
+        now = time.monotonic()
+        stats = self.last
+        if stats is None:
+            return
+        idle = not (self.prompt_tokens or self.generation_tokens or stats.num_running
+                    or stats.num_waiting)
+        if idle and self._logged_idle:
+            self._reset(now)
+            return
+        elapsed = max(now - self.since, 1e-9)
+        logger.info(
+            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+            "tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, %s: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%", self.prompt_tokens / elapsed,
+            self.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
+            stats.num_preemptions, self.kv_label, stats.kv_cache_usage * 100, 0.0)
+        self._logged_idle = idle
+        self._reset(now)
+
+
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class PrometheusStatLogger:
+    """vLLM's metric names and types, labelled with `model_name`."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
+        _unregister_vllm_metrics(registry)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self.model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens",
+                                        "Number of prefill tokens processed.", _TOKEN_BUCKETS)
+        self.request_generation = histogram("vllm:request_generation_tokens",
+                                            "Number of generation tokens processed.", _TOKEN_BUCKETS)
+        self._last_preemptions = 0
+
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
+        if scheduler is not None:
+            self.running.set(scheduler.num_running)
+            self.waiting.set(scheduler.num_waiting)
+            self.kv_usage.set(scheduler.kv_cache_usage)
+            self.prompt_tokens.inc(scheduler.num_prompt_tokens)
+            self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
+            self._last_preemptions = scheduler.num_preemptions
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished_requests:
+            self._success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+            self.request_prompt.observe(finished.num_prompt_tokens)
+            self.request_generation.observe(finished.num_generation_tokens)
+
+    def log(self) -> None:
+        """Prometheus is scraped, not pushed."""
+
+
+def _unregister_vllm_metrics(registry: CollectorRegistry) -> None:
+    """A new engine in the same process replaces the previous one's metrics."""
+    for collector in list(registry._collector_to_names):
+        names = registry._collector_to_names.get(collector, ())
+        if any(name.startswith("vllm:") for name in names):
+            registry.unregister(collector)
