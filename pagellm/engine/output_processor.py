@@ -174,7 +174,7 @@ class OutputProcessor:
             token_ids = sequence.token_ids[start:]
             logprobs = sequence.logprobs[start:] if sequence.logprobs is not None else None
         else:
-            text = sequence.detokenizer.output_text
+            text = sequence.detokenizer.get_text(final=finished)
             token_ids, logprobs = list(sequence.token_ids), sequence.logprobs
         return CompletionOutput(index, text, token_ids, sequence.cumulative_logprob, logprobs,
                                 sequence.finish_reason, sequence.stop_reason)

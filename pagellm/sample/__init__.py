@@ -1,0 +1,13 @@
+"""Batched token sampling."""
+
+from pagellm.sample.metadata import SamplingMetadata, SamplingRow, build_sampling_metadata
+from pagellm.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "TokenLogprobs",
+    "build_sampling_metadata",
+]

@@ -1,0 +1,212 @@
+"""Batched sampler: every stage is tensor math over [rows, vocab].
+
+Order follows vLLM: raw logprobs; min-tokens mask and logit bias; penalties;
+greedy argmax; then, for random rows only, temperature, min_p, top-k/top-p and
+the exponential race argmax(probs / q), q ~ Exp(1), computed as
+argmax(logits - log q) so no softmax is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagellm.sample.metadata import (
+    LogprobMetadata,
+    PenaltyMetadata,
+    RandomMetadata,
+    SamplingMetadata,
+    SamplingRow,
+    SparseLogitEdit,
+    build_sampling_metadata,
+)
+from pagellm.sample.noise import random_log_exponential, seeded_log_exponential
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "build_sampling_metadata"]
+
+_NEG_INF = float("-inf")
+# How many of the best logits to search for the top-p nucleus before a full sort.
+_TOP_P_CANDIDATES = 1024
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+
+
+def _on_rows(logits: Tensor, rows: Tensor | None, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    if rows is None:
+        return fn(logits)
+    return logits.index_copy(0, rows, fn(logits.index_select(0, rows)))
+
+
+def _apply_edit(logits: Tensor, edit: SparseLogitEdit, accumulate: bool) -> Tensor:
+    return logits.index_put((edit.rows, edit.tokens), edit.values, accumulate=accumulate)
+
+
+def _token_counts(tokens: Tensor, vocab_size: int) -> Tensor:
+    """[rows, vocab] occurrence counts of `tokens` [rows, L] padded with vocab_size."""
+    real = tokens < vocab_size
+    counts = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32, device=tokens.device)
+    return counts.scatter_add_(1, tokens.masked_fill(~real, 0), real.to(torch.float32))
+
+
+def apply_penalties(logits: Tensor, meta: PenaltyMetadata) -> Tensor:
+    """Repetition (prompt+output, divide positive / multiply negative), then frequency and presence (output)."""
+    vocab_size = logits.shape[1]
+    counts = _token_counts(meta.output_tokens, vocab_size)
+    present = counts > 0
+    if meta.repetition is not None and meta.prompt_tokens is not None:
+        seen = present | (_token_counts(meta.prompt_tokens, vocab_size) > 0)
+        factor = seen.to(torch.float32).mul_(meta.repetition - 1.0).add_(1.0)
+        logits = logits.clamp_min(0.0).div_(factor).add_(logits.clamp_max(0.0).mul_(factor))
+    return logits - counts.mul_(meta.frequency) - present.to(torch.float32).mul_(meta.presence)
+
+
+def apply_min_p(logits: Tensor, min_p_log: Tensor) -> Tensor:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p_log
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor, top_k_max: int) -> Tensor:
+    """Keep logits >= the k-th largest (ties at the k-th value survive); k = vocab disables."""
+    values = logits.topk(top_k_max, dim=-1).values
+    threshold = values.gather(1, (top_k.clamp_max(top_k_max) - 1).unsqueeze(1))
+    threshold = threshold.masked_fill((top_k >= logits.shape[1]).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def _nucleus_thresholds(ordered: Tensor, log_total: Tensor, top_k: Tensor,
+                        top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """Smallest logit kept per row, from the best `ordered` [R, C] logits (descending).
+
+    Also says per row whether C candidates were enough: the nucleus closed inside them.
+    """
+    positions = torch.arange(ordered.shape[1], device=ordered.device)
+    ordered = ordered.masked_fill(positions >= top_k.unsqueeze(1), _NEG_INF)
+    in_top_k = top_k.unsqueeze(1) <= ordered.shape[1]
+    log_total = torch.where(in_top_k, ordered.logsumexp(dim=-1, keepdim=True), log_total)
+    probs = (ordered - log_total).exp()
+    mass = probs.cumsum(dim=-1)
+    kept = ((mass - probs) < top_p).sum(dim=-1, keepdim=True)
+    kept = torch.minimum(kept, top_k.unsqueeze(1).clamp_max(ordered.shape[1])).clamp_min(1)
+    thresholds = ordered.gather(1, kept - 1)
+    resolved = in_top_k | (mass[:, -1:] >= top_p) | torch.isinf(top_p)
+    return thresholds.masked_fill(torch.isinf(top_p) & ~in_top_k, _NEG_INF), resolved
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_k_max: int, top_p: Tensor) -> Tensor:
+    """Top-k, then the smallest set of best tokens whose renormalized mass reaches top_p.
+
+    Searches the best _TOP_P_CANDIDATES (at least max k) logits first and sorts the
+    whole vocabulary only when some row's nucleus is wider; ties at the threshold survive.
+    """
+    vocab_size = logits.shape[1]
+    if top_k is None:
+        top_k = torch.full((logits.shape[0],), vocab_size, dtype=torch.long, device=logits.device)
+    log_total = logits.logsumexp(dim=-1, keepdim=True)
+    candidates = min(vocab_size, max(_TOP_P_CANDIDATES, top_k_max))
+    ordered = logits.topk(candidates, dim=-1).values
+    thresholds, resolved = _nucleus_thresholds(ordered, log_total, top_k, top_p)
+    if candidates < vocab_size and not bool(resolved.all()):
+        ordered = logits.sort(dim=-1, descending=True).values
+        thresholds, _ = _nucleus_thresholds(ordered, log_total, top_k, top_p)
+    return logits.masked_fill(logits < thresholds, _NEG_INF)
+
+
+def _log_noise(meta: RandomMetadata, num_rows: int, vocab_size: int, device: torch.device,
+               generator: torch.Generator | None) -> Tensor:
+    seeded = meta.seeded
+    if seeded is None:
+        return random_log_exponential(num_rows, vocab_size, device, generator)
+    seeded_noise = seeded_log_exponential(seeded.keys, vocab_size)
+    if meta.unseeded_positions is None or seeded.positions is None:
+        return seeded_noise
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
+    noise.index_copy_(0, seeded.positions, seeded_noise)
+    unseeded = random_log_exponential(meta.num_unseeded, vocab_size, device, generator)
+    return noise.index_copy_(0, meta.unseeded_positions, unseeded)
+
+
+def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generator | None) -> Tensor:
+    """Token ids [R] for the random rows `logits` [R, V] (already penalized)."""
+    logits = logits / meta.temperature
+    if meta.min_p_log is not None:
+        logits = apply_min_p(logits, meta.min_p_log)
+    if meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_k_max, meta.top_p)
+    elif meta.top_k is not None:
+        logits = apply_top_k(logits, meta.top_k, meta.top_k_max)
+    noise = _log_noise(meta, logits.shape[0], logits.shape[1], logits.device, generator)
+    return logits.sub_(noise).argmax(dim=-1)
+
+
+def compute_logprobs(raw_logits: Tensor, token_ids: Tensor,
+                     meta: LogprobMetadata) -> list[TokenLogprobs]:
+    """Logprobs of the raw model output for the rows in `meta`, in meta.row_list order."""
+    logprobs = raw_logits.index_select(0, meta.rows).float().log_softmax(dim=-1)
+    chosen = token_ids.index_select(0, meta.rows).unsqueeze(1)
+    chosen_logprob = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(meta.max_top, dim=-1)
+    rows = zip(chosen.squeeze(1).tolist(), chosen_logprob.squeeze(1).tolist(), ranks.tolist(),
+               top_ids.tolist(), top_values.tolist(), meta.num_top)
+    return [
+        TokenLogprobs(token_id=token, logprob=logprob, rank=rank,
+                      top=list(zip(ids[:k], values[:k])))
+        for token, logprob, rank, ids, values, k in rows
+    ]
+
+
+class Sampler:
+    """Stateless; call once per step with the logits of every row that samples."""
+
+    def __call__(self, logits: Tensor, metadata: SamplingMetadata,
+                 generator: torch.Generator | None = None) -> SamplerOutput:
+        expected = (metadata.num_rows, metadata.vocab_size)
+        if tuple(logits.shape) != expected:
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match metadata {expected}.")
+        processed = self.process_logits(logits.float(), metadata)
+        token_ids = self._select(processed, metadata, generator)
+        logprobs: list[TokenLogprobs | None] = [None] * metadata.num_rows
+        if metadata.logprobs is not None:
+            row_logprobs = compute_logprobs(logits, token_ids, metadata.logprobs)
+            for row, entry in zip(metadata.logprobs.row_list, row_logprobs):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
+        """Min-tokens mask, logit bias and penalties (what greedy rows take the argmax of)."""
+        if metadata.min_tokens_mask is not None:
+            logits = _apply_edit(logits, metadata.min_tokens_mask, accumulate=False)
+        if metadata.logit_bias is not None:
+            logits = _apply_edit(logits, metadata.logit_bias, accumulate=True)
+        penalties = metadata.penalties
+        if penalties is not None:
+            logits = _on_rows(logits, penalties.rows, lambda rows: apply_penalties(rows, penalties))
+        return logits
+
+    @staticmethod
+    def _select(logits: Tensor, metadata: SamplingMetadata,
+                generator: torch.Generator | None) -> Tensor:
+        random = metadata.random
+        if random is None:
+            return logits.argmax(dim=-1)
+        if random.rows is None:
+            return sample_random(logits, random, generator)
+        sampled = sample_random(logits.index_select(0, random.rows), random, generator)
+        return logits.argmax(dim=-1).index_copy(0, random.rows, sampled)
