@@ -1,0 +1,169 @@
+"""Architecture description shared by the four supported decoder families.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in a few switches (q/k/v bias,
+per-head q/k norm, RoPE scaling), so one `ArchConfig` read from either an HF
+`config.json` or GGUF metadata drives a single model class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class ArchConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections
+    o_proj_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+
+    def __post_init__(self) -> None:
+        check_model_type(self.model_type)
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"Unsupported RoPE scaling {rope_type!r}; supported RoPE types are: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads}).")
+
+
+def check_model_type(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"Unsupported model_type {model_type!r}; supported model types are: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
+
+
+def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
+    """Read a `config.json` dict (transformers 4 or 5 layout)."""
+    model_type = config.get("model_type")
+    check_model_type(model_type)
+    if config.get("mlp_bias"):
+        raise ValueError("Models with mlp_bias=True are not supported.")
+    num_heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _hf_rope(config)
+    bias = bool(config.get("attention_bias", False))
+    return ArchConfig(
+        model_type=model_type,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_hf_max_positions(config),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=True if model_type == "qwen2" else bias,
+        o_proj_bias=bias and model_type in ("llama", "qwen3"),
+        qk_norm=model_type == "qwen3",
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=config.get("eos_token_id"),
+    )
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """transformers 5 nests RoPE in `rope_parameters`; 4 used `rope_theta` + `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _hf_max_positions(config: dict[str, Any]) -> int:
+    """Cap the context at the sliding window: attention is then exact without a window mask."""
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", config["model_type"] == "mistral")
+    if window and uses_window and window < max_positions:
+        logger.warning("Sliding-window attention is not implemented; limiting the context to the "
+                       "window of %d tokens.", window)
+        return int(window)
+    return max_positions
+
+
+def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
+    """Read llama.cpp metadata (`{arch}.block_count`, ...) into an `ArchConfig`."""
+    arch = _field(reader, "general.architecture")
+    check_model_type(arch)
+    tensors = {t.name: t for t in reader.tensors}
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    return ArchConfig(
+        model_type=arch,
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors.get("rope_freqs.weight")),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        o_proj_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
+        eos_token_id=_optional_int(_field(reader, "tokenizer.ggml.eos_token_id", None)),
+    )
+
+
+def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str,
+                       freqs: gguf.ReaderTensor | None) -> dict[str, Any] | None:
+    """llama.cpp bakes Llama 3 scaling into a `rope_freqs` tensor of per-frequency divisors."""
+    if freqs is not None:
+        factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": factors.tolist()}
+    if _field(reader, f"{arch}.rope.scaling.type", "none") != "linear":
+        return None
+    return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+
+
+_MISSING = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF file lacks the metadata key {key!r}.")
+        return default
+    return field.contents()
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

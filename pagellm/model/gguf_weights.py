@@ -1,0 +1,75 @@
+"""Read llama.cpp GGUF tensors as HF-named float tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from pagellm.model.arch import ArchConfig
+
+# Per-block GGUF tensor names (after "blk.N.") -> HF names (after "model.layers.N.").
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+# Folded into `ArchConfig.rope_scaling` by `arch_from_gguf`.
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+# llama.cpp reorders q/k rows of these architectures for its interleaved RoPE; Qwen's
+# converters keep HF's layout.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor to float and yield it under its HF name and shape."""
+    for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        values = _dequantized(tensor)
+        if arch.model_type in _PERMUTED_ARCHITECTURES:
+            if ".q_proj." in name:
+                values = _unpermute_rows(values, arch.num_attention_heads)
+            elif ".k_proj." in name:
+                values = _unpermute_rows(values, arch.num_key_value_heads)
+        yield name, values
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"Unexpected GGUF tensor {gguf_name!r}.")
+
+
+def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """GGUF lists dimensions fastest-first, so the torch shape is the reverse."""
+    values = dequantize(tensor.data, tensor.tensor_type)
+    values = values.reshape([int(d) for d in reversed(tensor.shape)])
+    if not values.flags.writeable:  # an unquantized tensor is a view of the read-only file map
+        values = np.array(values)
+    return torch.from_numpy(values)
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's per-head `(2, d/2) -> (d/2, 2)` row reordering of q/k."""
+    rest = weight.shape[1:]
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)

@@ -1,0 +1,101 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32 and scales in the input dtype, as the reference models do."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Per-pair rotation speeds `theta^(-2i/d)`, adjusted by the checkpoint's RoPE scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Slow long wavelengths by `factor`, keep short ones, blend the band between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position, computed once per device in float32.
+
+    The table is a plain attribute rather than a buffer so that casting the model to
+    bf16 keeps it exact, and so that building the model on the meta device is free.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self._table: torch.Tensor | None = None  # [max_positions, head_dim]: cos half, sin half
+
+    def _compute_table(self, device: torch.device) -> torch.Tensor:
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        angles = positions[:, None] * inv_freq[None, :]
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped `[T, 1, head_dim // 2]` to broadcast over heads."""
+        if self._table is None or self._table.device != positions.device:
+            self._table = self._compute_table(positions.device)
+        cos, sin = self._table[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (i, i + d/2) of `x` `[T, heads, head_dim]` (the "rotate half" layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.shard_sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

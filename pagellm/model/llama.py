@@ -1,0 +1,161 @@
+"""One decoder serving Llama, Mistral, Qwen2 and Qwen3 over the paged KV cache.
+
+The forward pass takes the whole step as one flat token dimension (no batch
+dimension): prefill chunks and decode tokens of all requests side by side.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.model.arch import ArchConfig
+from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+# HF projection name -> (our fused projection, index of its shard along the output rows)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_SHARD_COUNTS = Counter(fused for fused, _ in _FUSED_SHARDS.values())
+# Checkpoint entries that are not parameters here (old exports saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.shard_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, scale=self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                          arch.rope_theta, arch.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch)
+        self.lm_head: nn.Linear | None = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """Flat `[T]` token ids and positions -> final hidden states `[T, hidden]`."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` -> float32 `[N, vocab]`."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return F.linear(hidden, head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, stacking q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (
+                    hf_name == "lm_head.weight" and self.lm_head is None):
+                continue
+            name, shard = _fused_name(hf_name)
+            if name not in params:
+                raise ValueError(f"Unexpected weight {hf_name!r} for a "
+                                 f"{self.arch.model_type} model.")
+            target = params[name].data
+            if shard is not None:
+                target = self._shard(target, name, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(f"Weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}.")
+            target.copy_(tensor)
+            loaded.add((name, shard))
+        self._check_complete(params, loaded)
+
+    def _shard(self, fused: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        sizes = self.get_submodule(name.rsplit(".", 2)[0]).shard_sizes
+        return fused.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def _check_complete(self, params: dict[str, nn.Parameter],
+                        loaded: set[tuple[str, int | None]]) -> None:
+        expected = {(name, shard) for name in params for shard in _shards_of(name)}
+        missing = expected - loaded
+        if missing == {("lm_head.weight", None)}:
+            self.lm_head = None  # no output projection saved: the embeddings are tied
+            return
+        if missing:
+            names = sorted(name for name, _ in missing)
+            raise ValueError(f"Checkpoint is missing {len(names)} weight(s), e.g. {names[:5]}.")
+
+
+def _fused_name(hf_name: str) -> tuple[str, int | None]:
+    """`...self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, 1)."""
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+        fused, shard = _FUSED_SHARDS[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return hf_name, None
+
+
+def _shards_of(name: str) -> list[int | None]:
+    parts = name.split(".")
+    count = _SHARD_COUNTS.get(parts[-2], 0) if len(parts) >= 2 else 0
+    return list(range(count)) if count else [None]

