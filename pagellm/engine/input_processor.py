@@ -66,8 +66,16 @@ class InputProcessor:
         params.stop_token_ids = params.stop_token_ids + extra
         return params
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]} outside the vocabulary "
+                             f"(size {vocab}).")
+
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                      arrival_time: float | None = None) -> Request:
+        self.check_token_ids(params)
         eos = self.info.eos_token_ids
         return Request(
             request_id=request_id, prompt_token_ids=prompt.token_ids,
