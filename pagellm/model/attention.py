@@ -124,10 +124,28 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
     kv = kv_cache[:, group.block_tables]  # [2, B, blocks, block_size, KVH, D]
     kv = kv.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, KVH, L, D]
+    if max_q == 1:
+        return _attend_decode(query[group.token_index], kv, group.mask, scale)
+    q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
     out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scale,
                                          enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_reqs * max_q, -1)
     return out[group.valid_slots]
+
+
+def _attend_decode(query: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One query per request: two batched matmuls, the query heads of a KV head side by side.
+
+    The fused SDPA kernels are tuned for long queries; with a single query row
+    plain matmuls do less work and need no repeated K/V for grouped-query attention.
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv.shape[2]
+    q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, kv[0].transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(kv.dtype)
+    return torch.matmul(probs, kv[1]).reshape(num_reqs, num_heads * head_dim)
