@@ -29,6 +29,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
 
     def cpu_kv_cache_bytes(self) -> int:
         """The CPU KV budget: explicit bytes, else the env var (GiB, like vLLM's CPU backend)."""

@@ -33,7 +33,7 @@ def test_over_allocation_and_double_free_are_errors():
 def test_shared_blocks_are_freed_by_their_last_holder():
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(2)
-    pool.share_blocks(blocks)
+    pool.touch(blocks)
     pool.check_integrity([blocks, blocks])
     pool.free_blocks(blocks)
     assert pool.num_free_blocks == 1

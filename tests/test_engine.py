@@ -164,3 +164,16 @@ def test_prompt_longer_than_the_context_is_rejected(llama: LLM):
 def test_kv_budget_too_small_names_the_largest_max_model_len(tiny_llama_dir: Path):
     with pytest.raises(ValueError, match="largest max_model_len that fits is 64"):
         make_llm(tiny_llama_dir, max_model_len=512, block_size=16, num_gpu_blocks_override=4)
+
+
+def test_prefix_caching_gives_the_same_tokens(tiny_llama_dir: Path, llama: LLM):
+    system = mixed_prompts(1, seed=10)[0] * 3  # a shared prefix several blocks long
+    prompts = [system + tail for tail in mixed_prompts(6, seed=11)]
+    cold = make_llm(tiny_llama_dir, max_model_len=256, enable_prefix_caching=False)
+    expected = token_ids(cold.generate(prompts, GREEDY, use_tqdm=False))
+    kv = llama.engine.core.scheduler.kv
+    hits_before = kv.prefix_hits
+    assert token_ids(llama.generate(prompts[:1], GREEDY, use_tqdm=False)) == expected[:1]
+    assert token_ids(llama.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert kv.prefix_hits - hits_before >= 6 * (len(system) // 16) * 16
+    assert_all_blocks_free(llama)

@@ -12,15 +12,18 @@ EOS = 99
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8,
-                   budget: int = 64, max_model_len: int = 64) -> Scheduler:
+                   budget: int = 64, max_model_len: int = 64, caching: bool = True) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
 
-def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, **params) -> Request:
-    return Request(request_id, [1] * num_prompt, SamplingParams(**params), max_tokens=max_tokens,
-                   eos_token_id=EOS)
+def make_request(request_id: str, num_prompt: int, max_tokens: int = 8, first_token: int = 0,
+                 **params) -> Request:
+    """Prompts of distinct tokens (unless `first_token` is shared), so caching stays out of the way."""
+    start = first_token or 1000 * (sum(map(ord, request_id)) % 50 + 1)
+    return Request(request_id, list(range(start, start + num_prompt)), SamplingParams(**params),
+                   max_tokens=max_tokens, eos_token_id=EOS)
 
 
 def plan(output: SchedulerOutput) -> dict[str, int]:
@@ -110,7 +113,7 @@ def test_preemption_takes_the_most_recent_and_admits_nothing_that_step():
 
 
 def test_preempted_request_recomputes_its_outputs():
-    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    scheduler = make_scheduler(num_blocks=3, block_size=4, caching=False)
     scheduler.add_request(make_request("a", 4, max_tokens=2))
     scheduler.add_request(make_request("b", 4))
     run_step(scheduler)

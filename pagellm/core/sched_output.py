@@ -74,7 +74,7 @@ class RequestUpdate:
 
 @dataclass
 class SchedulerStats:
-    """A small record per step for the loggers; nothing here is computed by them in the loop."""
+    """A small record per step for the loggers. Counters are cumulative; loggers take deltas."""
 
     num_running: int
     num_waiting: int
@@ -82,3 +82,5 @@ class SchedulerStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

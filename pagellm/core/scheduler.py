@@ -33,6 +33,7 @@ class Scheduler:
         self._step_generation_tokens = 0
 
     def add_request(self, request: Request) -> None:
+        self.kv.hash_new_blocks(request)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -91,11 +92,15 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.can_allocate(request, num_tokens):
+            computed = self.kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
+            num_tokens = min(request.num_tokens - num_computed, budget)
+            if not self.kv.can_allocate(request, num_tokens, computed):
                 break
             self.waiting.popleft()
-            self.kv.allocate_slots(request, num_tokens)
+            if request.num_computed_tokens == 0:
+                self.kv.record_prefix_lookup(request, computed)
+            self.kv.allocate_slots(request, num_tokens, computed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens))
@@ -129,6 +134,7 @@ class Scheduler:
     def _append_token(self, request: Request, token_id: int,
                       logprob: TokenLogprobs | None) -> RequestUpdate:
         request.append_output_token(token_id)
+        self.kv.hash_new_blocks(request)
         self._step_generation_tokens += 1
         status = self._check_stop(request, token_id)
         if status is not None:
@@ -182,7 +188,8 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage(), num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=self._step_generation_tokens,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions, prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(list(self.requests.values()))

@@ -23,6 +23,7 @@ _HELP = {
     "chat_template": "a Jinja chat template file or string overriding the model's",
     "served_model_name": "the model name the API answers to",
     "device": "auto, cpu or cuda",
+    "enable_prefix_caching": "reuse the KV blocks of earlier requests' common prefixes",
 }
 
 
@@ -42,6 +43,7 @@ class EngineArgs:
     chat_template: str | None = None
     served_model_name: str | None = None
     device: str = "auto"
+    enable_prefix_caching: bool = True
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -58,7 +60,8 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory,
-                           num_gpu_blocks_override=self.num_gpu_blocks_override)
+                           num_gpu_blocks_override=self.num_gpu_blocks_override,
+                           enable_prefix_caching=self.enable_prefix_caching)
 
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -72,9 +75,13 @@ class EngineArgs:
         for field in fields(cls):
             if field.name in skip:
                 continue
+            flag = "--" + field.name.replace("_", "-")
+            if field.type == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                    default=field.default, help=_HELP[field.name])
+                continue
             kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
-            parser.add_argument("--" + field.name.replace("_", "-"), type=kind,
-                                default=field.default, help=_HELP[field.name])
+            parser.add_argument(flag, type=kind, default=field.default, help=_HELP[field.name])
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":

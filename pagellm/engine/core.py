@@ -45,7 +45,8 @@ class EngineCore:
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(scheduler_config,
-                                   KVCacheManager(self.num_blocks, cache_config.block_size))
+                                   KVCacheManager(self.num_blocks, cache_config.block_size,
+                                                  cache_config.enable_prefix_caching))
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config

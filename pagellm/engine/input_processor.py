@@ -16,6 +16,7 @@ PromptType = str | list[int] | dict[str, Any]
 class ProcessedPrompt:
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -34,9 +35,10 @@ class InputProcessor:
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return self.process_prompt(list(prompt["prompt_token_ids"]))
-            return self.process_prompt(prompt["prompt"])
+            inner = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            processed = self.process_prompt(inner if isinstance(inner, str) else list(inner))
+            processed.cache_salt = prompt.get("cache_salt")
+            return processed
         if isinstance(prompt, str):
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         token_ids = [int(t) for t in prompt]
@@ -81,5 +83,5 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=prompt.token_ids,
             sampling_params=self.with_extra_eos(params),
             max_tokens=self.resolve_max_tokens(len(prompt.token_ids), params),
-            eos_token_id=eos[0] if eos else None,
+            eos_token_id=eos[0] if eos else None, cache_salt=prompt.cache_salt,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time)

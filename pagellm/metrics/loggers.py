@@ -28,6 +28,8 @@ class LoggingStatLogger:
     def __init__(self, kv_label: str = "KV cache usage") -> None:
         self.kv_label = kv_label
         self.last: SchedulerStats | None = None
+        self._logged: SchedulerStats | None = None
+        self._hit_rate = 0.0
         self._reset(time.monotonic())
         self._logged_idle = True
 
@@ -53,14 +55,25 @@ class LoggingStatLogger:
             self._reset(now)
             return
         elapsed = max(now - self.since, 1e-9)
+        self._update_hit_rate(stats)
         logger.info(
             "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
             "tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, %s: %.1f%%, "
             "Prefix cache hit rate: %.1f%%", self.prompt_tokens / elapsed,
             self.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
-            stats.num_preemptions, self.kv_label, stats.kv_cache_usage * 100, 0.0)
+            stats.num_preemptions, self.kv_label, stats.kv_cache_usage * 100,
+            self._hit_rate * 100)
         self._logged_idle = idle
         self._reset(now)
+
+    def _update_hit_rate(self, stats: SchedulerStats) -> None:
+        """Hit tokens / queried tokens since the last line; unchanged when nothing was queried."""
+        previous = self._logged
+        queries = stats.prefix_cache_queries - (previous.prefix_cache_queries if previous else 0)
+        hits = stats.prefix_cache_hits - (previous.prefix_cache_hits if previous else 0)
+        if queries > 0:
+            self._hit_rate = hits / queries
+        self._logged = stats
 
 
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
@@ -92,6 +105,10 @@ class PrometheusStatLogger:
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
@@ -108,7 +125,7 @@ class PrometheusStatLogger:
                                         "Number of prefill tokens processed.", _TOKEN_BUCKETS)
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", _TOKEN_BUCKETS)
-        self._last_preemptions = 0
+        self._previous: SchedulerStats | None = None
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler is not None:
@@ -116,8 +133,7 @@ class PrometheusStatLogger:
             self.waiting.set(scheduler.num_waiting)
             self.kv_usage.set(scheduler.kv_cache_usage)
             self.prompt_tokens.inc(scheduler.num_prompt_tokens)
-            self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
-            self._last_preemptions = scheduler.num_preemptions
+            self._count_deltas(scheduler)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
             self.ttft.observe(value)
@@ -128,6 +144,13 @@ class PrometheusStatLogger:
             self.e2e.observe(finished.e2e_latency)
             self.request_prompt.observe(finished.num_prompt_tokens)
             self.request_generation.observe(finished.num_generation_tokens)
+
+    def _count_deltas(self, stats: SchedulerStats) -> None:
+        previous = self._previous or SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self.preemptions.inc(stats.num_preemptions - previous.num_preemptions)
+        self.prefix_queries.inc(stats.prefix_cache_queries - previous.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits - previous.prefix_cache_hits)
+        self._previous = stats
 
     def log(self) -> None:
         """Prometheus is scraped, not pushed."""
