@@ -77,13 +77,19 @@ def run(args: argparse.Namespace) -> list[ThroughputResult]:
 
 def run_hf_baseline(llm: LLM, args: argparse.Namespace,
                     prompts: list[list[int]]) -> ThroughputResult:
-    """transformers generate() on the same weights and dtype, one request at a time."""
+    """transformers generate() on the same weights, one request at a time.
+
+    A GGUF runs in float32, which transformers' packed GGUF kernels recommend as
+    their fastest; an HF folder runs in the engine's dtype.
+    """
     from transformers import AutoModelForCausalLM
 
     path = llm.engine.core.loaded.path
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    folder = path.parent if path.suffix == ".gguf" else path
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=llm.engine.core.dtype, **kwargs)
+    gguf = path.suffix == ".gguf"
+    kwargs = {"gguf_file": path.name} if gguf else {}
+    dtype = torch.float32 if gguf else llm.engine.core.dtype
+    model = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype,
+                                                 **kwargs)
     model.eval()
     start = time.perf_counter()
     produced = 0
