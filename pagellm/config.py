@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch
 _GIB = 1 << 30
 _CPU_KV_ENV_VARS = ("PAGELLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass
@@ -30,6 +32,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    offload_bytes: int = 0  # the second KV tier; 0: none
+    offload_path: str | None = None  # a file to memory-map for it instead of RAM
 
     def cpu_kv_cache_bytes(self) -> int:
         """The CPU KV budget: explicit bytes, else the env var (GiB, like vLLM's CPU backend)."""
@@ -47,13 +51,42 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
+    preemption_mode: str = "auto"
 
     def validate(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+
+
+def parse_kv_transfer_config(text: str, block_size: int) -> int:
+    """The second-tier bytes of vLLM's `--kv-transfer-config` JSON; only the OffloadingConnector
+    (KV offloading to CPU memory) exists here. Its `block_size` must be a multiple of the
+    engine's; see `pagellm.core.offload` for how it is honoured."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"kv_transfer_config is not valid JSON: {error}.") from None
+    if not isinstance(config, dict):
+        raise ValueError("kv_transfer_config must be a JSON object.")
+    connector = config.get("kv_connector")
+    if connector != "OffloadingConnector":
+        raise ValueError(f"kv_connector {connector!r} is not supported; pagellm has only "
+                         "'OffloadingConnector' (KV offloading to CPU memory).")
+    extra = config.get("kv_connector_extra_config") or {}
+    offload_block_size = int(extra.get("block_size", block_size))
+    if offload_block_size < 1 or offload_block_size % block_size:
+        raise ValueError(f"the OffloadingConnector block_size ({offload_block_size}) must be a "
+                         f"multiple of the KV cache block_size ({block_size}).")
+    if "cpu_bytes_to_use" not in extra:
+        raise ValueError("the OffloadingConnector needs kv_connector_extra_config.cpu_bytes_to_use "
+                         "(bytes of CPU memory for offloaded KV blocks).")
+    return int(extra["cpu_bytes_to_use"])
 
 
 @dataclass

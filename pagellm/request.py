@@ -64,6 +64,7 @@ class Request:
     cache_salt: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    swapped_block_ids: list[int] = field(default_factory=list)  # tier-2 blocks while swapped out
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -5,9 +5,10 @@ block may carry the hash of its contents (chained from its parent block, so a
 hash names a whole prefix). Blocks nobody holds wait in the free queue in LRU
 order and keep their hash: a later request with the same prefix takes them
 back ("touch"), and only when a block is handed out for new tokens is its old
-content forgotten (lazy eviction). The free queue is an ordered dict, so
-allocation from the front, release to the back and removal of any block are
-all O(1).
+content forgotten (lazy eviction); the pool reports each such (block, hash)
+pair through `take_evicted`, so that a second tier can keep a copy. The free
+queue is an ordered dict, so allocation from the front, release to the back
+and removal of any block are all O(1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
+        self._evicted: list[tuple[int, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,6 +60,13 @@ class BlockPool:
             self.block_hashes[block] = None
             del self.cached[block_hash]
             self.num_evictions += 1
+            self._evicted.append((block, block_hash))
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """The (block, hash) pairs evicted since the last call; the blocks still hold that
+        content until this step's forward writes into them."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pagellm.request import Request
 from pagellm.sample.sampler import TokenLogprobs
@@ -35,8 +35,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """The step's chunks, and the block copies between the KV tiers that precede its forward:
+    `kv_stores` as (tier-1, tier-2) block pairs, then `kv_loads` as (tier-2, tier-1) pairs."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -44,7 +49,36 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be transfers)."""
         return not self.scheduled
+
+    @property
+    def has_transfers(self) -> bool:
+        return bool(self.kv_stores or self.kv_loads)
+
+
+@dataclass
+class KVTransferStats:
+    """Copies between the KV tiers: one step's from the runner, summed over the run in stats.
+    A store (or load) is one batched copy of all of a step's store (or load) pairs."""
+
+    num_stores: int = 0
+    stored_blocks: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    num_loads: int = 0
+    loaded_blocks: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+
+    def add(self, other: "KVTransferStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def since(self, earlier: "KVTransferStats") -> "KVTransferStats":
+        """The difference of two cumulative records."""
+        return KVTransferStats(*(getattr(self, f.name) - getattr(earlier, f.name)
+                                 for f in fields(self)))
 
 
 @dataclass
@@ -53,6 +87,7 @@ class ModelRunnerOutput:
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    transfers: KVTransferStats = field(default_factory=KVTransferStats)
 
 
 @dataclass
@@ -73,6 +108,15 @@ class RequestUpdate:
 
 
 @dataclass
+class OffloadStats:
+    """The second KV tier: usage now (0-1), its size, and the transfers so far (cumulative)."""
+
+    usage: float
+    allocation_bytes: int
+    transfers: KVTransferStats
+
+
+@dataclass
 class SchedulerStats:
     """A small record per step for the loggers. Counters are cumulative; loggers take deltas."""
 
@@ -84,3 +128,7 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    offload: OffloadStats | None = None  # None when there is no second KV tier
+

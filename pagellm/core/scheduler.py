@@ -6,29 +6,43 @@ the computed count catch up under one token budget. Running requests go
 first, in admission order, then waiting ones in FCFS order. Long prompts are
 thereby split over steps (chunked prefill), and a prefill chunk leaves room
 for the running decodes behind it.
+
+A preempted request is either recomputed later (its blocks are freed and its
+computed count drops to zero) or, when a second KV tier has room, swapped:
+its blocks are copied there and come back when it is admitted again, with its
+computed count intact. `preemption_mode` forces one way; `auto` picks the
+cheaper one by `SwapCostModel` (recompute when there is none).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.sched_output import (ModelRunnerOutput, RequestUpdate, ScheduledRequest,
-                                       SchedulerOutput, SchedulerStats)
+from pagellm.core.offload import SwapCostModel
+from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, OffloadStats,
+                                       RequestUpdate, ScheduledRequest, SchedulerOutput,
+                                       SchedulerStats)
 from pagellm.request import Request, RequestStatus, child_request_id
 from pagellm.sample.sampler import TokenLogprobs
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 swap_cost: SwapCostModel | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.swap_cost = swap_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_recomputes = 0
+        self.transfers = KVTransferStats()
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
 
@@ -47,6 +61,7 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         if output.is_empty and self.waiting and self._release_waiting_blocks():
             self._schedule_waiting(output, budget)
+        output.kv_stores, output.kv_loads = self.kv.take_transfers()
         self._step_prompt_tokens = sum(
             min(s.num_tokens, max(0, s.request.num_prompt_tokens - s.start)) for s in output.scheduled)
         return output
@@ -82,25 +97,41 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+        if self._should_swap(request):
+            self.kv.swap_out(request)
+            self.num_swaps += 1
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self.num_recomputes += 1
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _should_swap(self, request: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(request):
+            return False
+        if mode == "swap":
+            return True
+        return self.swap_cost is not None and self.swap_cost.prefers_swap(
+            request.num_computed_tokens, len(request.block_ids))
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed = self.kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
+            offloaded = self.kv.get_offloaded_blocks(request, len(computed))
+            num_hits = len(computed) + len(offloaded)
+            num_computed = request.num_computed_tokens + num_hits * self.kv.block_size
             num_tokens = min(request.num_tokens - num_computed, budget)
-            if not self.kv.can_allocate(request, num_tokens, computed):
+            if not self.kv.can_allocate(request, num_tokens, computed, offloaded):
                 break
             self.waiting.popleft()
             if request.num_computed_tokens == 0:
                 self.kv.record_prefix_lookup(request, computed)
-            self.kv.allocate_slots(request, num_tokens, computed)
+            self.kv.allocate_slots(request, num_tokens, computed, offloaded)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens))
@@ -119,6 +150,7 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish requests that are done."""
         updates: list[RequestUpdate] = []
         self._step_generation_tokens = 0
+        self.transfers.add(runner_output.transfers)
         for item in scheduled.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
@@ -189,7 +221,15 @@ class Scheduler:
             kv_cache_usage=self.kv.usage(), num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=self._step_generation_tokens,
             num_preemptions=self.num_preemptions, prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits)
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions_swap=self.num_swaps,
+            num_preemptions_recompute=self.num_recomputes, offload=self._offload_stats())
+
+    def _offload_stats(self) -> OffloadStats | None:
+        offload = self.kv.offload
+        if offload is None:
+            return None
+        return OffloadStats(usage=offload.usage(), allocation_bytes=offload.num_bytes,
+                            transfers=replace(self.transfers))
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(list(self.requests.values()))

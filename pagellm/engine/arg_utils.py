@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+
+_GIB = 1 << 30
 
 _HELP = {
     "model": "local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
@@ -24,6 +26,14 @@ _HELP = {
     "served_model_name": "the model name the API answers to",
     "device": "auto, cpu or cuda",
     "enable_prefix_caching": "reuse the KV blocks of earlier requests' common prefixes",
+    "kv_offloading_size": "GiB of a second KV tier in host memory (CPU RAM, pinned on CUDA) that "
+                          "keeps prefix blocks evicted from the KV cache and swapped-out requests",
+    "kv_offloading_path": "memory-map a file at this path for the second KV tier instead of "
+                          "RAM (pagellm extension; size from --kv-offloading-size)",
+    "kv_transfer_config": "vLLM's KV connector JSON; only OffloadingConnector is supported, "
+                          "sized by kv_connector_extra_config.cpu_bytes_to_use",
+    "preemption_mode": "auto, swap or recompute: how a preempted request keeps its KV (swap "
+                       "needs the second KV tier; auto picks the cheaper per request)",
 }
 
 
@@ -44,6 +54,10 @@ class EngineArgs:
     served_model_name: str | None = None
     device: str = "auto"
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None
+    kv_offloading_path: str | None = None
+    kv_transfer_config: str | None = None
+    preemption_mode: str = "auto"
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -61,12 +75,34 @@ class EngineArgs:
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory,
                            num_gpu_blocks_override=self.num_gpu_blocks_override,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           offload_bytes=self.offload_bytes(),
+                           offload_path=self.kv_offloading_path)
+
+    def offload_bytes(self) -> int:
+        """Bytes of the second KV tier, from kv_offloading_size or kv_transfer_config; 0: none."""
+        if self.kv_transfer_config is not None and self.kv_offloading_size is not None:
+            raise ValueError("set either kv_offloading_size or kv_transfer_config, not both.")
+        if self.kv_transfer_config is not None:
+            size = parse_kv_transfer_config(self.kv_transfer_config, self.block_size)
+        elif self.kv_offloading_size is not None:
+            size = int(self.kv_offloading_size * _GIB)
+        elif self.kv_offloading_path is not None:
+            raise ValueError("kv_offloading_path needs a size: set kv_offloading_size.")
+        else:
+            return 0
+        if size <= 0:
+            raise ValueError(f"the KV offloading size must be positive, got {size} bytes.")
+        return size
 
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                 max_num_batched_tokens=self.max_num_batched_tokens)
+                                 max_num_batched_tokens=self.max_num_batched_tokens,
+                                 preemption_mode=self.preemption_mode)
         config.validate()
+        if config.preemption_mode == "swap" and not self.offload_bytes():
+            raise ValueError("preemption_mode 'swap' needs a second KV tier: set "
+                             "kv_offloading_size or kv_transfer_config.")
         return config
 
     @classmethod

@@ -12,6 +12,7 @@ import torch
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.offload import OffloadPool, SwapCostModel
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.input_processor import ModelInfo
@@ -44,9 +45,12 @@ class EngineCore:
                                   device, self.dtype, model_config.seed)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         self.runner.allocate_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(scheduler_config,
-                                   KVCacheManager(self.num_blocks, cache_config.block_size,
-                                                  cache_config.enable_prefix_caching))
+        offload = self._make_offload_pool()
+        measure = offload is not None and scheduler_config.preemption_mode == "auto"
+        swap_cost = self._measure_swap_cost() if measure else None
+        kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching, offload)
+        self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config
@@ -70,6 +74,40 @@ class EngineCore:
         logger.info("Maximum concurrency for %s tokens per request: %.2fx",
                     f"{self.max_model_len:,}", concurrency)
         return num_blocks
+
+    def _make_offload_pool(self) -> OffloadPool | None:
+        """The second KV tier, if configured: as many blocks as its bytes hold."""
+        cache = self.cache_config
+        if not cache.offload_bytes:
+            return None
+        block_bytes = self.runner.block_bytes()
+        num_blocks = cache.offload_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the KV offloading size ({cache.offload_bytes} bytes) is smaller "
+                             f"than one KV block ({block_bytes} bytes).")
+        self.runner.allocate_offload_cache(num_blocks, cache.offload_path)
+        if cache.offload_path is not None:
+            where = f"memory-mapped file {cache.offload_path}"
+        else:
+            where = "pinned host memory" if self.device.type == "cuda" else "host memory"
+        logger.info("KV offloading tier: %s blocks, %s tokens, %.2f GiB in %s",
+                    f"{num_blocks:,}", f"{num_blocks * cache.block_size:,}",
+                    num_blocks * block_bytes / _GIB, where)
+        return OffloadPool(num_blocks, block_bytes)
+
+    def _measure_swap_cost(self) -> SwapCostModel:
+        """Rates for choosing swap or recompute, measured once: a timed matmul for compute, a
+        one-block and a multi-block copy between the tiers for fixed cost and bandwidth."""
+        latency, bandwidth = self.runner.measure_copy_cost()
+        flops = self.runner.measure_flops()
+        arch = self.loaded.arch
+        logger.info("Preemption cost model: %.1f GFLOP/s compute, %.2f GB/s and %.1f us per "
+                    "KV transfer", flops / 1e9, bandwidth / 1e9, latency * 1e6)
+        return SwapCostModel(
+            num_params=sum(p.numel() for p in self.loaded.model.parameters()),
+            attention_width=arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim,
+            block_bytes=self.runner.block_bytes(), flops_per_second=flops,
+            copy_latency=latency, copy_bytes_per_second=bandwidth)
 
     def _check_fits(self, num_blocks: int, block_bytes: int, available: int) -> None:
         """One request of max_model_len tokens must fit, or we fail now rather than hang later."""
@@ -100,7 +138,7 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
+        if scheduled.is_empty and not scheduled.has_transfers:
             return [], self.scheduler.make_stats()
         runner_output = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, runner_output)

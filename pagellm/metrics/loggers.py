@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from pagellm.core.sched_output import SchedulerStats
+from pagellm.core.sched_output import KVTransferStats, OffloadStats, SchedulerStats
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import IterationStats
 
@@ -55,7 +56,8 @@ class LoggingStatLogger:
             self._reset(now)
             return
         elapsed = max(now - self.since, 1e-9)
-        self._update_hit_rate(stats)
+        previous, self._logged = self._logged, stats
+        self._update_hit_rate(stats, previous)
         logger.info(
             "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
             "tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, %s: %.1f%%, "
@@ -63,17 +65,33 @@ class LoggingStatLogger:
             self.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
             stats.num_preemptions, self.kv_label, stats.kv_cache_usage * 100,
             self._hit_rate * 100)
+        if stats.offload is not None:
+            log_transfers(stats.offload, previous.offload if previous else None)
         self._logged_idle = idle
         self._reset(now)
 
-    def _update_hit_rate(self, stats: SchedulerStats) -> None:
+    def _update_hit_rate(self, stats: SchedulerStats, previous: SchedulerStats | None) -> None:
         """Hit tokens / queried tokens since the last line; unchanged when nothing was queried."""
-        previous = self._logged
         queries = stats.prefix_cache_queries - (previous.prefix_cache_queries if previous else 0)
         hits = stats.prefix_cache_hits - (previous.prefix_cache_hits if previous else 0)
         if queries > 0:
             self._hit_rate = hits / queries
-        self._logged = stats
+
+
+def transfers_since(offload: OffloadStats, previous: OffloadStats | None) -> KVTransferStats:
+    return offload.transfers.since(previous.transfers) if previous else offload.transfers
+
+
+def log_transfers(offload: OffloadStats, previous: OffloadStats | None) -> None:
+    """The part vLLM logs after the stats line when offloading: the interval's transfers
+    (bytes, seconds, number of batched copies) and the second tier's usage now."""
+    delta = transfers_since(offload, previous)
+    values = (("cpu_cache_usage_perc", round(offload.usage, 4)),
+              ("store_bytes", delta.store_bytes), ("store_time", round(delta.store_seconds, 6)),
+              ("store_size_count", delta.num_stores), ("load_bytes", delta.load_bytes),
+              ("load_time", round(delta.load_seconds, 6)), ("load_size_count", delta.num_loads))
+    logger.info("KV Transfer metrics: %s",
+                ", ".join(f"vllm:kv_offload_{name}={value}" for name, value in values))
 
 
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
@@ -81,8 +99,64 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0]
+_TRANSFER_SIZE_BUCKETS = [1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6]
 _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class _MetricFactory:
+    """Metrics labelled with `model_name`, in one registry."""
+
+    registry: CollectorRegistry
+    model_name: str
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+
+class _OffloadMetrics:
+    """vLLM's OffloadingConnector family; registered once the engine reports a second tier."""
+
+    def __init__(self, make: _MetricFactory) -> None:
+        self.usage = make.gauge("vllm:kv_offload_cpu_cache_usage_perc",
+                                "CPU KV offloading usage. 1 means 100 percent.")
+        self.allocation = make.gauge("vllm:kv_offload_cpu_allocation_size",
+                                     "Bytes of CPU memory allocated for offloaded KV blocks.")
+        self.store_bytes = make.counter("vllm:kv_offload_store_bytes",
+                                        "Total bytes stored from GPU to offload storage.")
+        self.store_time = make.counter("vllm:kv_offload_store_time",
+                                       "Total store time from GPU to offload storage, in seconds.")
+        self.store_size = make.histogram("vllm:kv_offload_store_size",
+                                         "Histogram of KV offload store operation size, in bytes.",
+                                         _TRANSFER_SIZE_BUCKETS)
+        self.load_bytes = make.counter("vllm:kv_offload_load_bytes",
+                                       "Total bytes loaded from offload storage to GPU.")
+        self.load_time = make.counter("vllm:kv_offload_load_time",
+                                      "Total load time from offload storage to GPU, in seconds.")
+        self.load_size = make.histogram("vllm:kv_offload_load_size",
+                                        "Histogram of KV offload load operation size, in bytes.",
+                                        _TRANSFER_SIZE_BUCKETS)
+
+    def record(self, offload: OffloadStats, previous: OffloadStats | None) -> None:
+        self.usage.set(offload.usage)
+        self.allocation.set(offload.allocation_bytes)
+        delta = transfers_since(offload, previous)
+        self.store_bytes.inc(delta.store_bytes)
+        self.store_time.inc(delta.store_seconds)
+        self.load_bytes.inc(delta.load_bytes)
+        self.load_time.inc(delta.load_seconds)
+        for _ in range(delta.num_stores):  # one per step unless records were skipped
+            self.store_size.observe(delta.store_bytes / delta.num_stores)
+        for _ in range(delta.num_loads):
+            self.load_size.observe(delta.load_bytes / delta.num_loads)
 
 
 class PrometheusStatLogger:
@@ -90,21 +164,18 @@ class PrometheusStatLogger:
 
     def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
         _unregister_vllm_metrics(registry)
-        labels = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
-
+        self._make = _MetricFactory(registry, model_name)
+        gauge, counter, histogram = self._make.gauge, self._make.counter, self._make.histogram
+        self._offload: _OffloadMetrics | None = None
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.swaps = counter("vllm:num_preemptions_swap",
+                             "Cumulative number of preemptions that swapped the KV cache out.")
+        self.recomputes = counter("vllm:num_preemptions_recompute",
+                                  "Cumulative number of preemptions that drop the KV cache and "
+                                  "recompute it.")
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits",
@@ -150,6 +221,12 @@ class PrometheusStatLogger:
         self.preemptions.inc(stats.num_preemptions - previous.num_preemptions)
         self.prefix_queries.inc(stats.prefix_cache_queries - previous.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits - previous.prefix_cache_hits)
+        self.swaps.inc(stats.num_preemptions_swap - previous.num_preemptions_swap)
+        self.recomputes.inc(stats.num_preemptions_recompute - previous.num_preemptions_recompute)
+        if stats.offload is not None:
+            if self._offload is None:
+                self._offload = _OffloadMetrics(self._make)
+            self._offload.record(stats.offload, previous.offload)
         self._previous = stats
 
     def log(self) -> None:

@@ -4,16 +4,23 @@ The scheduler speaks in request objects and integers; this is the only place
 where a step becomes tensors: flat token ids and positions for the whole
 batch, the slot of each new token in the paged KV cache, and the attention
 metadata built once and shared by every layer.
+
+It also owns the second KV tier's tensors (host memory, pinned on CUDA, or a
+memory-mapped file) and runs the step's block copies between the tiers
+before the forward: stores first, because a block evicted from the first tier
+may be reused by this very step, then loads.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, SchedulerOutput
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, build_attention_metadata
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
@@ -36,6 +43,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
+        self.offload_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -47,12 +55,88 @@ class ModelRunner:
         return (2 * self.block_size * arch.num_key_value_heads * arch.head_dim * element
                 * arch.num_hidden_layers)
 
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        arch = self.arch
+        return (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly."""
-        arch = self.arch
-        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = self._cache_shape(num_blocks)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(arch.num_hidden_layers)]
+                          for _ in range(self.arch.num_hidden_layers)]
+
+    def allocate_offload_cache(self, num_blocks: int, path: str | None = None) -> None:
+        """The second tier, laid out per layer like the first: in host memory (pinned when the
+        first tier is on CUDA) or, with `path`, in a file mapped shared, created or grown."""
+        shape = self._cache_shape(num_blocks)
+        layers = self.arch.num_hidden_layers
+        if path is not None:
+            mapped = torch.from_file(path, shared=True, size=layers * math.prod(shape),
+                                     dtype=self.dtype)
+            self.offload_caches = list(mapped.view(layers, *shape).unbind(0))
+            return
+        pinned = self.device.type == "cuda"
+        self.offload_caches = [torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+                               for _ in range(layers)]
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]], sources: list[torch.Tensor],
+                     targets: list[torch.Tensor]) -> float:
+        """Copy blocks `pairs[i][0]` of `sources` to `pairs[i][1]` of `targets` in every layer:
+        one gather, one transfer and one scatter per layer. Returns the seconds it took."""
+        start = time.perf_counter()
+        source_index = torch.tensor([p[0] for p in pairs], dtype=torch.long,
+                                    device=sources[0].device)
+        target_index = torch.tensor([p[1] for p in pairs], dtype=torch.long,
+                                    device=targets[0].device)
+        for source, target in zip(sources, targets):
+            target.index_copy_(1, target_index,
+                               source.index_select(1, source_index).to(target.device))
+        self._synchronize()
+        return time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _transfer(self, step: SchedulerOutput) -> KVTransferStats:
+        stats = KVTransferStats()
+        if step.kv_stores:
+            stats.num_stores, stats.stored_blocks = 1, len(step.kv_stores)
+            stats.store_bytes = len(step.kv_stores) * self.block_bytes()
+            stats.store_seconds = self._copy_blocks(step.kv_stores, self.kv_caches,
+                                                    self.offload_caches)
+        if step.kv_loads:
+            stats.num_loads, stats.loaded_blocks = 1, len(step.kv_loads)
+            stats.load_bytes = len(step.kv_loads) * self.block_bytes()
+            stats.load_seconds = self._copy_blocks(step.kv_loads, self.offload_caches,
+                                                   self.kv_caches)
+        return stats
+
+    @torch.inference_mode()
+    def measure_copy_cost(self, num_blocks: int = 16) -> tuple[float, float]:
+        """(seconds of fixed cost per transfer, bytes per second) of a store between the tiers:
+        the time of a one-block copy, and the rate of an up-to-`num_blocks` copy (fixed cost
+        included, so a slight underestimate), both of still empty blocks."""
+        count = min(num_blocks, self.kv_caches[0].shape[1], self.offload_caches[0].shape[1])
+        pairs = [(index, index) for index in range(count)]
+        self._copy_blocks(pairs, self.kv_caches, self.offload_caches)  # warm-up
+        latency = self._copy_blocks(pairs[:1], self.kv_caches, self.offload_caches)
+        seconds = self._copy_blocks(pairs, self.kv_caches, self.offload_caches)
+        return latency, count * self.block_bytes() / max(seconds, 1e-9)
+
+    @torch.inference_mode()
+    def measure_flops(self) -> float:
+        """Matmul flops per second in the model's dtype: the fastest of three runs (the first
+        warms up) of a square matmul big enough to keep the device busy (2 n^3 flops)."""
+        size = 4096 if self.device.type == "cuda" else 512
+        matrix = torch.randn(size, size, dtype=self.dtype, device=self.device)
+        seconds = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.matmul(matrix, matrix)
+            self._synchronize()
+            seconds = min(seconds, time.perf_counter() - start)
+        return 2 * size ** 3 / max(seconds, 1e-9)
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int) -> int:
@@ -104,9 +188,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        output = ModelRunnerOutput(transfers=self._transfer(step))
+        if step.is_empty:
+            return output
         inputs = self.prepare_inputs(step)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        output = ModelRunnerOutput()
         if inputs.logits_indices.numel() == 0:
             return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
