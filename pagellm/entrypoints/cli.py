@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from pagellm.benchmarks import throughput
+from pagellm.entrypoints import chat_cli
+from pagellm.entrypoints.openai.cli_args import add_serve_args
 
 
 class _Parser(argparse.ArgumentParser):
@@ -16,9 +18,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagellm", description="Serve and benchmark LLMs with a paged KV cache.")
-    verbs = parser.add_subparsers(dest="verb", metavar="{bench}", parser_class=_Parser)
+    verbs = parser.add_subparsers(dest="verb", metavar="{serve,chat,bench}", parser_class=_Parser)
+    serve = verbs.add_parser("serve", help="start the OpenAI-compatible API server",
+                             description="Start the OpenAI-compatible API server.")
+    add_serve_args(serve)
+    serve.set_defaults(handler=_serve)
+    chat = verbs.add_parser("chat", help="chat in the terminal, with a server or in-process",
+                            description="Chat in the terminal: replies stream as they are "
+                                        "generated, one user message per stdin line.")
+    chat_cli.add_chat_args(chat)
+    chat.set_defaults(handler=chat_cli.run)
     bench = verbs.add_parser("bench", help="benchmark the engine")
     bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput}",
                                        parser_class=_Parser)

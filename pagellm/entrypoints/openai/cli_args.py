@@ -1,0 +1,102 @@
+"""`pagellm serve` flags (vLLM's names) and the settings derived from them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from pagellm.engine.arg_utils import EngineArgs
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "VLLM_API_KEY")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
+    return port
+
+
+def _tensor_parallel_size(value: str) -> int:
+    size = int(value)
+    if size != 1:
+        raise argparse.ArgumentTypeError(
+            f"pagellm runs a model on one device; only 1 is supported, got {size}")
+    return size
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local HF model folder or .gguf file "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=_port, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) the API answers to; the first is reported "
+                             "(default: the model argument)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on the API routes "
+                             f"(also env {' or '.join(API_KEY_ENV_VARS)})")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=1,
+                        help="accepted for vLLM compatibility; only 1")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="do not log each received request")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="do not log the periodic engine stats line")
+    parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                        help="log level of uvicorn (access log at info)")
+    EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file path, or the template itself (vLLM's rule: text containing
+    braces or newlines is a template). Syntax errors are reported at start-up."""
+    if value is None:
+        return None
+    if any(char in value for char in "{}\n"):
+        template = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r} is neither a readable file nor a "
+                             "Jinja template.")
+        template = path.read_text()
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template has a syntax error (line {error.lineno}): "
+                         f"{error.message}") from None
+    return template
+
+
+@dataclass
+class ServerSettings:
+    host: str
+    port: int
+    model_names: list[str]
+    api_key: str | None
+    chat_template: str | None
+    log_requests: bool
+    log_stats: bool
+    uvicorn_log_level: str
+    engine_args: EngineArgs
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
+        names = list(args.served_model_name or [args.model or DEFAULT_SERVED_NAME])
+        chat_template = load_chat_template(args.chat_template)
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.served_model_name = names[0]
+        engine_args.chat_template = None  # resolved here; the server passes it on each call
+        api_key = args.api_key or next(
+            (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
+        return cls(host=args.host, port=args.port, model_names=names, api_key=api_key,
+                   chat_template=chat_template, log_requests=not args.disable_log_requests,
+                   log_stats=not args.disable_log_stats,
+                   uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args)

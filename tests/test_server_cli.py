@@ -1,0 +1,84 @@
+"""`pagellm serve` / `pagellm chat` command lines: help, one-line errors, in-process chat."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from pagellm.entrypoints.cli import build_parser, main
+from pagellm.entrypoints.openai.cli_args import ServerSettings, load_chat_template
+from server_utils import run_cli
+
+
+def test_help_lists_verbs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert "{serve,chat,bench}" in capsys.readouterr().out
+
+
+def test_bad_flag_is_one_line_exit_2() -> None:
+    result = run_cli("serve", "--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
+
+
+def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """Exit code and stderr of `pagellm ARGV`, which must fail with exactly one line."""
+    try:
+        code = main(argv)
+    except SystemExit as exited:
+        code = exited.code
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    return code, err
+
+
+def test_tensor_parallel_only_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = one_line_error(["serve", "--tensor-parallel-size", "2"], capsys)
+    assert code == 2 and "only 1 is supported" in err
+
+
+def test_bad_chat_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = one_line_error(["serve", str(tmp_path), "--chat-template", "{% for x in %}"],
+                               capsys)
+    assert code == 1 and "--chat-template has a syntax error" in err
+    code, err = one_line_error(["serve", str(tmp_path), "--chat-template", "no-such.jinja"],
+                               capsys)
+    assert code == 1 and "neither a readable file nor a Jinja template" in err
+
+
+def test_busy_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = one_line_error(["serve", str(tmp_path), "--port", str(port)], capsys)
+    assert code == 1 and err.startswith(f"pagellm: error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_serve_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "/models/x", "--chat-template", str(template),
+                                      "--served-model-name", "a", "b", "--max-model-len", "64"])
+    settings = ServerSettings.from_args(args)
+    assert settings.model_names == ["a", "b"] and settings.api_key == "from-env"
+    assert settings.chat_template == template.read_text()
+    assert settings.engine_args.served_model_name == "a"
+    assert settings.engine_args.max_model_len == 64
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert load_chat_template("{{ 'inline' }}") == "{{ 'inline' }}"
+
+
+def test_chat_in_process(tiny_llama_dir: Path) -> None:
+    result = run_cli("chat", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                     "--max-model-len", "256", "--num-gpu-blocks-override", "32",
+                     "--temperature", "0", "--max-tokens", "5", stdin="Hello\nMore\n",
+                     env={"PAGELLM_LOGGING_LEVEL": "WARNING"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") >= 2 and result.stdout.strip()
