@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
-from pagellm.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pagellm.entrypoints.cli import build_parser, main
-from pagellm.entrypoints.openai.cli_args import ServerSettings, load_chat_template
+from pagellm.entrypoints.openai.cli_args import ServerSettings
+from pagellm.tokenizer import load_chat_template
 from server_utils import run_cli
 
 
@@ -68,7 +69,7 @@ def test_serve_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
                                       "--served-model-name", "a", "b", "--max-model-len", "64"])
     settings = ServerSettings.from_args(args)
     assert settings.model_names == ["a", "b"] and settings.api_key == "from-env"
-    assert settings.chat_template == template.read_text()
+    assert settings.engine_args.chat_template == template.read_text()
     assert settings.engine_args.served_model_name == "a"
     assert settings.engine_args.max_model_len == 64
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)

@@ -18,21 +18,13 @@ from pagellm.metrics.stats import IterationStats
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import apply_chat_template, load_tokenizer
+from pagellm.tokenizer import apply_chat_template, load_chat_template
 
 logger = init_logger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-def resolve_chat_template(value: str | None, default: str | None) -> str | None:
-    """`--chat-template` is a file path or the template itself."""
-    if value is None:
-        return default
-    path = Path(value).expanduser()
-    return path.read_text() if path.is_file() else value
 
 
 class AsyncLLM:
@@ -46,8 +38,8 @@ class AsyncLLM:
         ready = self.client.ready
         self.info = ready.info
         self.model_path = Path(ready.model_path)
-        self.tokenizer = load_tokenizer(self.model_path, args.tokenizer)
-        self.chat_template = resolve_chat_template(args.chat_template, ready.chat_template)
+        self.tokenizer = ready.tokenizer
+        self.chat_template = load_chat_template(args.chat_template) or ready.chat_template
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.model_name = args.served_model_name or args.model or self.model_path.name

@@ -13,6 +13,7 @@ import multiprocessing
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from multiprocessing.connection import Connection
 
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
@@ -26,9 +27,13 @@ logger = init_logger(__name__)
 
 @dataclass
 class CoreReady:
+    """Sent once the model is loaded; the tokenizer travels pickled, which is much faster
+    than parsing it again (a GGUF vocabulary takes seconds)."""
+
     info: ModelInfo
     model_path: str
     chat_template: str | None
+    tokenizer: Any
 
 
 @dataclass
@@ -69,7 +74,8 @@ def run_engine_core(conn: Connection, args: EngineArgs) -> None:
         conn.send(CoreFailed(str(error)))
         return
     loaded = core.loaded
-    conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template))
+    conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
+                        loaded.tokenizer))
     try:
         _step_loop(core, conn)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

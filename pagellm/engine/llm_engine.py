@@ -16,7 +16,7 @@ from pagellm.outputs import RequestOutput
 from pagellm.platform import default_device
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import apply_chat_template
+from pagellm.tokenizer import apply_chat_template, load_chat_template
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,7 +32,7 @@ class LLMEngine:
                                resolve_device(args.device))
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
-        self.chat_template = loaded.chat_template
+        self.chat_template = load_chat_template(args.chat_template) or loaded.chat_template
         self.info = self.core.model_info()
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)

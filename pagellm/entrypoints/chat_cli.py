@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.output_processor import OutputKind
-from pagellm.entrypoints.openai.cli_args import API_KEY_ENV_VARS, load_chat_template
+from pagellm.entrypoints.openai.cli_args import API_KEY_ENV_VARS
 from pagellm.sampling_params import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -74,14 +74,12 @@ class LocalChat:
         from pagellm.engine.llm_engine import LLMEngine
 
         engine_args = EngineArgs.from_cli_args(args)
-        self.chat_template = load_chat_template(engine_args.chat_template)
-        engine_args.chat_template = None
         self.engine = LLMEngine(engine_args)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         self.ids = itertools.count()
 
     def stream(self, messages: Messages) -> Iterator[str]:
-        prompt = self.engine.apply_chat_template(messages, chat_template=self.chat_template)
+        prompt = self.engine.apply_chat_template(messages)
         self.engine.add_request(str(next(self.ids)), prompt, self.params, OutputKind.DELTA)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagellm.benchmarks import serve as serve_benchmark
 from pagellm.benchmarks import throughput
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
@@ -37,11 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_chat_args(chat)
     chat.set_defaults(handler=chat_cli.run)
     bench = verbs.add_parser("bench", help="benchmark the engine")
-    bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput}",
+    bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput,serve}",
                                        parser_class=_Parser)
     bench_throughput = bench_kinds.add_parser("throughput", help="offline output tokens/s")
     throughput.add_cli_args(bench_throughput)
     bench_throughput.set_defaults(handler=throughput.run)
+    bench_serve = bench_kinds.add_parser("serve", help="load-test an OpenAI-compatible server")
+    serve_benchmark.add_cli_args(bench_serve)
+    bench_serve.set_defaults(handler=serve_benchmark.run)
     return parser
 
 

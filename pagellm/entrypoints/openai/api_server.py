@@ -146,7 +146,7 @@ ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
 
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pagellm", version=__version__)
-    serving_args = (engine, settings.model_names, settings.chat_template, settings.log_requests)
+    serving_args = (engine, settings.model_names, settings.log_requests)
     app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args),
                                  OpenAIServingChat(*serving_args),
                                  OpenAIServingTokenization(*serving_args))

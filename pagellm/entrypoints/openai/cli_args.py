@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-import jinja2
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.tokenizer import load_chat_template
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "VLLM_API_KEY")
@@ -54,34 +53,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file path, or the template itself (vLLM's rule: text containing
-    braces or newlines is a template). Syntax errors are reported at start-up."""
-    if value is None:
-        return None
-    if any(char in value for char in "{}\n"):
-        template = value
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--chat-template {value!r} is neither a readable file nor a "
-                             "Jinja template.")
-        template = path.read_text()
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"--chat-template has a syntax error (line {error.lineno}): "
-                         f"{error.message}") from None
-    return template
-
-
 @dataclass
 class ServerSettings:
     host: str
     port: int
     model_names: list[str]
     api_key: str | None
-    chat_template: str | None
     log_requests: bool
     log_stats: bool
     uvicorn_log_level: str
@@ -90,13 +67,13 @@ class ServerSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
         names = list(args.served_model_name or [args.model or DEFAULT_SERVED_NAME])
-        chat_template = load_chat_template(args.chat_template)
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.served_model_name = names[0]
-        engine_args.chat_template = None  # resolved here; the server passes it on each call
+        # Checked before the engine starts, so a bad template fails in a second, not a minute.
+        engine_args.chat_template = load_chat_template(args.chat_template)
         api_key = args.api_key or next(
             (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
         return cls(host=args.host, port=args.port, model_names=names, api_key=api_key,
-                   chat_template=chat_template, log_requests=not args.disable_log_requests,
+                   log_requests=not args.disable_log_requests,
                    log_stats=not args.disable_log_stats,
                    uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args)

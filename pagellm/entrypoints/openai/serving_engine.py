@@ -122,11 +122,9 @@ async def merge_streams(streams: list[AsyncGenerator[RequestOutput, None]]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None,
-                 log_requests: bool) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], log_requests: bool) -> None:
         self.engine = engine
         self.model_names = model_names
-        self.chat_template = chat_template
         self.log_requests = log_requests
 
     @property
@@ -149,7 +147,7 @@ class OpenAIServing:
             raise OpenAIError(f"chat_template_kwargs may not set {reserved}.",
                               param="chat_template_kwargs")
         token_ids = self.engine.apply_chat_template(
-            [message.for_template() for message in messages], chat_template=self.chat_template,
+            [message.for_template() for message in messages],
             add_generation_prompt=add_generation_prompt, **template_kwargs)
         return ProcessedPrompt(None, token_ids)
 
