@@ -23,7 +23,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conte
 
 def test_mixed_decode_and_chunked_prefill_match_reference():
     torch.manual_seed(0)
-    kv_cache = torch.zeros(2, 16, BLOCK, KV_HEADS, DIM)
+    kv_cache = torch.zeros(2, KV_HEADS, 16, BLOCK, DIM)
     # (tokens already cached, new tokens this step, block table) per request
     requests = [(5, 1, [7, 2]), (0, 6, [3, 9]), (4, 3, [11, 0]), (9, 1, [1, 5, 14])]
     all_keys, all_values = [], []
@@ -32,7 +32,7 @@ def test_mixed_decode_and_chunked_prefill_match_reference():
         values = torch.randn(cached + new, KV_HEADS, DIM)
         for pos in range(cached):
             block, offset = table[pos // BLOCK], pos % BLOCK
-            kv_cache[0, block, offset], kv_cache[1, block, offset] = keys[pos], values[pos]
+            kv_cache[0, :, block, offset], kv_cache[1, :, block, offset] = keys[pos], values[pos]
         all_keys.append(keys)
         all_values.append(values)
     slots = [table[pos // BLOCK] * BLOCK + pos % BLOCK
@@ -50,4 +50,4 @@ def test_mixed_decode_and_chunked_prefill_match_reference():
                           in zip(queries, all_keys, all_values, requests)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     block, offset = divmod(slots[-1], BLOCK)
-    torch.testing.assert_close(kv_cache[0, block, offset], new_keys[-1])
+    torch.testing.assert_close(kv_cache[0, :, block, offset], new_keys[-1])

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagellm.model.arch import ArchConfig, arch_from_hf_config
-from pagellm.model.attention import build_attention_metadata
+from pagellm.model.attention import build_attention_metadata, kv_cache_shape
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import instantiate, load_model, resolve_model_path, safetensors_weights
 from pagellm.tokenizer import apply_chat_template
@@ -42,7 +42,7 @@ class PagedCache:
 
     def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32,
                  num_blocks: int = 128, block_size: int = 4) -> None:
-        shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         self.block_size = block_size

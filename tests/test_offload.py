@@ -17,12 +17,18 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.offload import OffloadPool, SwapCostModel
-from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, OffloadStats,
-                                       SchedulerOutput, SchedulerStats)
+from pagellm.core.sched_output import (
+    KVTransferStats,
+    ModelRunnerOutput,
+    OffloadStats,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats
+from pagellm.model.attention import BLOCK_DIM
 from pagellm.request import Request, RequestStatus
 
 BLOCK = 4
@@ -391,14 +397,14 @@ def test_the_runner_stores_before_it_loads_in_every_layer(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), dtype="float32", kv_offloading_size=0.001, **TIGHT)
     runner = llm.engine.core.runner
     for layer, (tier1, tier2) in enumerate(zip(runner.kv_caches, runner.offload_caches)):
-        for block in range(tier1.shape[1]):
-            tier1[:, block] = 100 * layer + block
-        tier2[:, 2] = -100 * layer - 2
+        for block in range(tier1.shape[BLOCK_DIM]):
+            tier1[:, :, block] = 100 * layer + block
+        tier2[:, :, 2] = -100 * layer - 2
     # Block 3 is evicted (stored) and reused for a load in the same step, as in a prefix hit.
     output = runner.execute(SchedulerOutput(kv_stores=[(3, 3), (5, 0)], kv_loads=[(2, 3)]))
     for layer, (tier1, tier2) in enumerate(zip(runner.kv_caches, runner.offload_caches)):
-        assert (tier2[:, 3] == 100 * layer + 3).all() and (tier2[:, 0] == 100 * layer + 5).all()
-        assert (tier1[:, 3] == -100 * layer - 2).all() and (tier1[:, 5] == 100 * layer + 5).all()
+        assert (tier2[:, :, 3] == 100 * layer + 3).all() and (tier2[:, :, 0] == 100 * layer + 5).all()
+        assert (tier1[:, :, 3] == -100 * layer - 2).all() and (tier1[:, :, 5] == 100 * layer + 5).all()
     transfers, size = output.transfers, runner.block_bytes()
     assert replace(transfers, store_seconds=0.0, load_seconds=0.0) == KVTransferStats(
         num_stores=1, stored_blocks=2, store_bytes=2 * size, num_loads=1, loaded_blocks=1,

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache.
 
-The KV cache of one layer is a tensor `[2, num_blocks, block_size, num_kv_heads,
-head_dim]`. New keys and values are written at their slots (`block_id *
+The KV cache of one layer is a tensor `[2, num_kv_heads, num_blocks, block_size,
+head_dim]`: gathering a batch's blocks then yields keys already laid out as
+`[kv_heads, requests, tokens, head_dim]` for batched matmuls. New keys and values are written at their slots (`block_id *
 block_size + offset`); queries then read the keys of their request through its
 block table. Requests are attended in two padded groups, one call each for the
 whole batch: decodes (one query token each) and prefills (chunks of prompt).
@@ -15,6 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, ...]:
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
 
 @dataclass
@@ -98,9 +107,10 @@ def _build_group(
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    _, num_kv_heads, _, _, head_dim = kv_cache.shape
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
+                                                             value.transpose(0, 1))
 
 
 def paged_attention(
@@ -123,12 +133,13 @@ def paged_attention(
 def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
                   scale: float) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    kv = kv_cache[:, group.block_tables]  # [2, B, blocks, block_size, KVH, D]
-    kv = kv.view(2, num_reqs, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, KVH, L, D]
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
+    kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim)  # [2, KVH, B, L, D]
     if max_q == 1:
         return _attend_decode(query[group.token_index], kv, group.mask, scale)
     q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
+    kv = kv.transpose(1, 2)  # [2, B, KVH, L, D]
     out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scale,
                                          enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_reqs * max_q, -1)
@@ -137,15 +148,16 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
 
 def _attend_decode(query: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """One query per request: two batched matmuls, the query heads of a KV head side by side.
+    """One query per request: two batched matmuls over (kv head, request), no copies of K/V.
 
     The fused SDPA kernels are tuned for long queries; with a single query row
     plain matmuls do less work and need no repeated K/V for grouped-query attention.
     """
     num_reqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv.shape[2]
-    q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, kv[0].transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
-    scores.masked_fill_(~mask, float("-inf"))
+    num_kv_heads = kv.shape[1]
+    q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(q, kv[0].transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
+    scores.masked_fill_(~mask.transpose(0, 1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(kv.dtype)
-    return torch.matmul(probs, kv[1]).reshape(num_reqs, num_heads * head_dim)
+    out = torch.matmul(probs, kv[1])  # [KVH, B, G, D]
+    return out.transpose(0, 1).reshape(num_reqs, num_heads * head_dim)

@@ -22,7 +22,8 @@ import torch
 
 from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, SchedulerOutput
 from pagellm.model.arch import ArchConfig
-from pagellm.model.attention import AttentionMetadata, build_attention_metadata
+from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, build_attention_metadata,
+                                     kv_cache_shape)
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 
 
@@ -57,7 +58,7 @@ class ModelRunner:
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         arch = self.arch
-        return (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        return kv_cache_shape(num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly."""
@@ -89,8 +90,8 @@ class ModelRunner:
         target_index = torch.tensor([p[1] for p in pairs], dtype=torch.long,
                                     device=targets[0].device)
         for source, target in zip(sources, targets):
-            target.index_copy_(1, target_index,
-                               source.index_select(1, source_index).to(target.device))
+            target.index_copy_(BLOCK_DIM, target_index,
+                               source.index_select(BLOCK_DIM, source_index).to(target.device))
         self._synchronize()
         return time.perf_counter() - start
 
@@ -117,7 +118,8 @@ class ModelRunner:
         """(seconds of fixed cost per transfer, bytes per second) of a store between the tiers:
         the time of a one-block copy, and the rate of an up-to-`num_blocks` copy (fixed cost
         included, so a slight underestimate), both of still empty blocks."""
-        count = min(num_blocks, self.kv_caches[0].shape[1], self.offload_caches[0].shape[1])
+        count = min(num_blocks, self.kv_caches[0].shape[BLOCK_DIM],
+                    self.offload_caches[0].shape[BLOCK_DIM])
         pairs = [(index, index) for index in range(count)]
         self._copy_blocks(pairs, self.kv_caches, self.offload_caches)  # warm-up
         latency = self._copy_blocks(pairs[:1], self.kv_caches, self.offload_caches)
