@@ -27,11 +27,25 @@ import httpx
 from tqdm import tqdm
 
 from pagellm.benchmarks.datasets import SampleRequest, add_dataset_args, sample_requests
-from pagellm.benchmarks.serve_client import (BACKENDS, DEFAULT_ENDPOINTS, Endpoint,
-                                             RequestOutput, auth_headers, env_api_key,
-                                             fetch_model_id, open_tokenizer, send_request)
-from pagellm.benchmarks.serve_metrics import (METRICS, RunInfo, compute_metrics,
-                                              count_output_tokens, format_result, result_json)
+from pagellm.benchmarks.serve_client import (
+    BACKENDS,
+    DEFAULT_ENDPOINTS,
+    Endpoint,
+    RequestOutput,
+    auth_headers,
+    env_api_key,
+    fetch_model_id,
+    open_tokenizer,
+    send_request,
+)
+from pagellm.benchmarks.serve_metrics import (
+    METRICS,
+    RunInfo,
+    compute_metrics,
+    count_output_tokens,
+    format_result,
+    result_json,
+)
 
 REQUEST_TIMEOUT_S = 6 * 60 * 60.0
 SETUP_TIMEOUT_S = 60.0

@@ -43,6 +43,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated concurrency levels")
     parser.add_argument("--hf-baseline", type=int, default=0, metavar="N",
                         help="also time N prompts through transformers generate(), one at a time")
+    parser.add_argument("--decode-steps", type=int, default=0, metavar="N",
+                        help="also time N decode steps of each full batch (after its prefill)")
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -68,11 +70,34 @@ def run(args: argparse.Namespace) -> list[ThroughputResult]:
         results.append(ThroughputResult(f"pagellm batch={batch}", batch, seconds,
                                         batch * args.input_len, produced))
         print(results[-1].line(), flush=True)
+    for batch in batch_sizes if args.decode_steps else ():
+        seconds = time_decode_step(llm, random_prompts(batch, args.input_len, vocab, batch),
+                                   args.decode_steps)
+        print(f"[pagellm batch={batch}] decode step: {seconds * 1000:.1f} ms, "
+              f"{batch / seconds:.1f} output tokens/s", flush=True)
     if args.hf_baseline:
         results.append(run_hf_baseline(llm, args, random_prompts(args.hf_baseline, args.input_len,
                                                                  vocab, 1)))
         print(results[-1].line(), flush=True)
     return results
+
+
+def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    """Mean seconds of one engine step once every prompt of the batch is decoding."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    ids = [f"decode-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    scheduler = engine.core.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    seconds = (time.perf_counter() - start) / steps
+    engine.abort_request(ids)
+    return seconds
 
 
 def run_hf_baseline(llm: LLM, args: argparse.Namespace,

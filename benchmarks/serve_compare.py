@@ -1,0 +1,91 @@
+"""Start `pagellm serve` with given flags, run `pagellm bench serve` against it, stop it.
+
+One server at a time on this machine; each named run writes its result JSON under
+benchmarks/results/ and a one-line summary of its Prometheus counters. Example:
+
+    python benchmarks/serve_compare.py --name prefix-on --server "--max-model-len 2048" \\
+        --bench "--dataset-name prefix-repetition --num-prompts 50"
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+RESULTS = Path(__file__).parent / "results"
+COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            "vllm:num_preemptions_swap", "vllm:num_preemptions_recompute",
+            "vllm:kv_offload_store_bytes", "vllm:kv_offload_load_bytes")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"server exited with {server.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit("server did not become healthy in time")
+
+
+def counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            base = sample.name.removesuffix("_total")
+            if base in COUNTERS and sample.name.endswith("_total"):
+                values[base] = values.get(base, 0.0) + sample.value
+    return values
+
+
+def run(name: str, server_flags: str, bench_flags: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(RESULTS / f"{name}.server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+                               "--port", str(port), "--disable-log-requests",
+                               *shlex.split(server_flags)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, server)
+        subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
+                        "--base-url", url, "--save-result", "--result-dir", str(RESULTS),
+                        "--result-filename", f"{name}.json", "--disable-tqdm",
+                        *shlex.split(bench_flags)], check=True)
+        print(f"[{name}] counters: {counters(url)}", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--server", default="", help="flags for pagellm serve")
+    parser.add_argument("--bench", default="", help="flags for pagellm bench serve")
+    args = parser.parse_args()
+    run(args.name, args.server, args.bench)
+
+
+if __name__ == "__main__":
+    main()
