@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _MAX_N = 128
 _MAX_TOP_LOGPROBS = 20
@@ -29,8 +29,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    detokenize: bool = True
-    output_kind_delta: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,10 +71,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
 
     def clone(self) -> "SamplingParams":
         data = {f: getattr(self, f) for f in self.__dataclass_fields__}

@@ -103,8 +103,7 @@ class SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs, logit_bias=self._int_logit_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            output_kind_delta=True)
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def _int_logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
