@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,13 +34,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300.0) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300.0,
+                 path: str = "/health") -> None:
+    """Poll `url + path` until it answers 200 (llama.cpp's server has no /health: use
+    /v1/models); exit if the server dies or the timeout passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"server exited with {server.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -57,25 +62,37 @@ def counters(url: str) -> dict[str, float]:
     return values
 
 
+@contextmanager
+def serving(argv: Sequence[str], port: int, log_path: Path,
+            ready_path: str = "/health") -> Iterator[str]:
+    """Start the server command `argv` (listening on `port`), yield its URL once ready,
+    stop it on exit. Its output goes to `log_path`."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(url, server, path=ready_path)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def bench(url: str, result_dir: Path, filename: str, flags: Sequence[str]) -> None:
+    """Run `pagellm bench serve` against `url`, saving its result JSON."""
+    subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
+                    "--base-url", url, "--save-result", "--result-dir", str(result_dir),
+                    "--result-filename", filename, "--disable-tqdm", *flags], check=True)
+
+
 def run(name: str, server_flags: str, bench_flags: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(RESULTS / f"{name}.server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
-                               "--port", str(port), "--disable-log-requests",
-                               *shlex.split(server_flags)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(url, server)
-        subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
-                        "--base-url", url, "--save-result", "--result-dir", str(RESULTS),
-                        "--result-filename", f"{name}.json", "--disable-tqdm",
-                        *shlex.split(bench_flags)], check=True)
+    argv = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", str(port),
+            "--disable-log-requests", *shlex.split(server_flags)]
+    with serving(argv, port, RESULTS / f"{name}.server.log") as url:
+        bench(url, RESULTS, f"{name}.json", shlex.split(bench_flags))
         print(f"[{name}] counters: {counters(url)}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
 
 
 def main() -> None:

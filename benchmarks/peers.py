@@ -1,0 +1,146 @@
+"""Side-by-side serving benchmark of pagellm against its peers on this machine.
+
+One server at a time: start a peer, wait for it, run the same `pagellm bench serve` sweep
+(completions endpoint, identical random prompts tokenized with the GGUF's tokenizer: one
+run per `--concurrency` with num-prompts = max(8, 2 x concurrency), then one
+`--request-rate` run), stop it, move on. Then write benchmarks/results/peers.md and plots.
+
+Peers: `pagellm` (the embedded SmolLM2-135M Q4_1 GGUF), `llamacpp` (llama-cpp-python's
+OpenAI server on the same GGUF; skipped when not installed) and `naive` (transformers +
+FastAPI, one generate() at a time: benchmarks/naive_server.py). The peers are
+benchmark-only extras: `pip install -e ".[bench]"` (llama-cpp-python compiles ~8 min).
+
+The naive server runs requests one after another, so at concurrency 64 the default 128
+prompts would take most of an hour: cap a peer's num-prompts with `--max-prompts
+naive=16` (the cap applies to every run of that peer, the rate run included).
+
+    python benchmarks/peers.py --max-prompts naive=16
+    python benchmarks/peers.py --report-only        # redo peers.md and the plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from peers_report import write_report
+from serve_compare import RESULTS, bench, free_port, serving
+
+from pagellm.model.loader import default_model_path
+
+PEER_DIR = RESULTS / "peers"
+NAIVE_SERVER = Path(__file__).parent / "naive_server.py"
+
+
+def pagellm_argv(port: int, gguf: Path) -> list[str]:
+    return [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+            "--port", str(port), "--disable-log-requests"]  # no model: the same GGUF
+
+
+def llamacpp_argv(port: int, gguf: Path) -> list[str]:
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", "2",
+            "--interrupt_requests", "False", "--port", str(port), "--n_ctx", "8192"]
+
+
+def naive_argv(port: int, gguf: Path) -> list[str]:
+    return [sys.executable, str(NAIVE_SERVER), "--port", str(port)]  # loads the same GGUF
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    argv: Callable[[int, Path], list[str]]  # the server command, given port and GGUF
+    module: str  # the import that must work for this peer to run
+    ready_path: str
+
+    def missing(self) -> str | None:
+        """Why this peer cannot run here, or None."""
+        if importlib.util.find_spec(self.module) is None:
+            return f"`{self.module}` is not installed (pip install -e '.[bench]')"
+        return None
+
+
+PEERS = {peer.name: peer for peer in (
+    Peer("pagellm", pagellm_argv, "pagellm", "/health"),
+    Peer("llamacpp", llamacpp_argv, "llama_cpp", "/v1/models"),  # no /health there
+    Peer("naive", naive_argv, "transformers", "/health"),
+)}
+
+
+def result_name(peer: str, run: str) -> str:
+    return f"{peer}-{run}.json"
+
+
+def sweep(args: argparse.Namespace, cap: int | None) -> list[tuple[str, list[str]]]:
+    """(run label, bench flags) for every run of one peer."""
+    def prompts(n: int) -> list[str]:
+        return ["--num-prompts", str(min(n, cap) if cap else n)]
+    runs = [(f"c{c}", ["--max-concurrency", str(c), *prompts(max(8, 2 * c))])
+            for c in args.concurrency]
+    runs.append((f"rate{args.request_rate:g}",
+                 ["--request-rate", str(args.request_rate), *prompts(args.rate_prompts)]))
+    return runs
+
+
+def run_peer(peer: Peer, args: argparse.Namespace, gguf: Path, cap: int | None) -> None:
+    common = ["--backend", "openai", "--endpoint", "/v1/completions", "--tokenizer", str(gguf),
+              "--dataset-name", "random", "--random-input-len", str(args.input_len),
+              "--random-output-len", str(args.output_len), "--ignore-eos",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    port = free_port()
+    with serving(peer.argv(port, gguf), port, PEER_DIR / f"{peer.name}.server.log",
+                 peer.ready_path) as url:
+        for label, flags in sweep(args, cap):
+            print(f"[{peer.name}] {label}: {' '.join(flags)}", flush=True)
+            bench(url, PEER_DIR, result_name(peer.name, label), [*common, *flags])
+
+
+def parse_caps(values: list[str]) -> dict[str, int]:
+    caps: dict[str, int] = {}
+    for value in values:
+        name, _, number = value.partition("=")
+        if name not in PEERS or not number.isdigit():
+            raise SystemExit(f"--max-prompts wants PEER=N with PEER in {sorted(PEERS)}: {value}")
+        caps[name] = int(number)
+    return caps
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=list(PEERS))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--request-rate", type=float, default=2.0)
+    parser.add_argument("--rate-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-prompts", action="append", default=[], metavar="PEER=N",
+                        help="cap one peer's num-prompts per run (repeatable), "
+                             "e.g. naive=16: the naive server serves one request at a time")
+    parser.add_argument("--report-only", action="store_true",
+                        help="skip the runs; rebuild peers.md and the plots from saved JSON")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    caps = parse_caps(args.max_prompts)
+    PEER_DIR.mkdir(parents=True, exist_ok=True)
+    gguf = default_model_path()
+    skipped: dict[str, str] = {}
+    for name in [] if args.report_only else args.peers:
+        reason = PEERS[name].missing()
+        if reason:
+            print(f"[{name}] skipped: {reason}", flush=True)
+            skipped[name] = reason
+            continue
+        run_peer(PEERS[name], args, gguf, caps.get(name))
+    write_report(PEER_DIR, args.peers, args.concurrency, f"rate{args.request_rate:g}",
+                 skipped, caps)
+
+
+if __name__ == "__main__":
+    main()

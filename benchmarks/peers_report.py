@@ -1,0 +1,128 @@
+"""benchmarks/results/peers.md and the PNG plots from the peer sweep's result JSON
+(written by benchmarks/peers.py), with the machine and a roofline line."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+
+PARAMETERS = 134.5e6  # SmolLM2-135M
+COLUMNS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "p50_ttft_ms"),
+           ("TTFT p99 ms", "p99_ttft_ms"), ("ITL p50 ms", "p50_itl_ms"),
+           ("ITL p99 ms", "p99_itl_ms"))
+INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for every peer, "
+         "`pagellm bench serve --backend openai --endpoint /v1/completions`, random prompts "
+         "(same tokenizer, same seed), `--ignore-eos` (llama-cpp-python's server ignores "
+         "that field, so its outputs may stop early at EOS; tok/s counts real tokens). "
+         "Runs `cN`: `--max-concurrency N`; the rate run: Poisson arrivals, no cap on "
+         "concurrency. One server at a time on this machine.")
+PLOTS = (("output_throughput", "output tok/s", "peers_output_throughput.png"),
+         ("p99_ttft_ms", "TTFT p99 (ms)", "peers_ttft_p99.png"),
+         ("p99_itl_ms", "ITL p99 (ms)", "peers_itl_p99.png"))
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, transformers {version('transformers')}, "
+            f"llama-cpp-python {version('llama-cpp-python')}")
+
+
+def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
+    """Best-of-`tries` GFLOP/s of one n x n bf16 matmul: this machine's compute roof."""
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def load(peer_dir: Path, peer: str, run: str) -> dict[str, Any] | None:
+    path = peer_dir / f"{peer}-{run}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    head = ["peer", "run", "prompts", *(label for label, _ in COLUMNS), "failed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for peer, runs in results.items():
+        for run, result in runs.items():
+            cells = [peer, run, str(result["num_prompts"]),
+                     *(f"{result.get(key, float('nan')):.1f}" for _, key in COLUMNS),
+                     str(result["failed"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
+         out_dir: Path) -> list[str]:
+    """One PNG per metric against concurrency (log-2 axis); their file names."""
+    for key, label, filename in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for peer, runs in results.items():
+            points = [(c, runs[f"c{c}"][key]) for c in concurrency if f"c{c}" in runs]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=peer)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrency, [str(c) for c in concurrency])
+        ax.set(xlabel="max concurrency", ylabel=label, title=f"{label} vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / filename, dpi=120)
+        plt.close(fig)
+    return [filename for _, _, filename in PLOTS]
+
+
+def roofline(results: dict[str, dict[str, dict[str, Any]]], top: int) -> str:
+    peak = matmul_peak_gflops()
+    run = results.get("pagellm", {}).get(f"c{top}")
+    if run is None:
+        return f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s; no pagellm c{top} run."
+    achieved = 2 * PARAMETERS * run["output_throughput"] / 1e9
+    return (f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s; pagellm at "
+            f"concurrency {top} achieves 2 x {PARAMETERS / 1e6:.1f}M params x "
+            f"{run['output_throughput']:.1f} tok/s = {achieved:.1f} GFLOP/s "
+            f"({100 * achieved / peak:.1f}% of peak).")
+
+
+def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], rate_run: str,
+                 skipped: dict[str, str], caps: dict[str, int]) -> None:
+    """Collect the saved runs, print and write peers.md, draw the plots."""
+    runs = [f"c{c}" for c in concurrency] + [rate_run]
+    results = {peer: {run: r for run in runs if (r := load(peer_dir, peer, run))}
+               for peer in peers}
+    results = {peer: found for peer, found in results.items() if found}
+    roof = roofline(results, max(concurrency))
+    pngs = plot(results, concurrency, peer_dir.parent)
+    notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
+    notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
+    lines = ["# Serving peers side by side", "",
+             INTRO,
+             "", f"Machine: {machine()}", "", *notes, "", *table(results), "", roof, "",
+             *(f"![{png}]({png})" for png in pngs), ""]
+    (peer_dir.parent / "peers.md").write_text("\n".join(lines))
+    print("\n".join(table(results)), roof, sep="\n")
