@@ -156,8 +156,10 @@ def _attend_decode(query: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = kv.shape[1]
     q = query.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-    scores = torch.matmul(q, kv[0].transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
+    # In float32: in bf16 (8 bits of mantissa) the rounded scores and probabilities shift
+    # the output enough to change the greedy tokens of small models after a few steps.
+    keys, values = kv[0].float(), kv[1].float()
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [KVH, B, G, L]
     scores.masked_fill_(~mask.transpose(0, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(kv.dtype)
-    out = torch.matmul(probs, kv[1])  # [KVH, B, G, D]
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).to(query.dtype)  # [KVH, B, G, D]
     return out.transpose(0, 1).reshape(num_reqs, num_heads * head_dim)
