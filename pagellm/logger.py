@@ -24,3 +24,12 @@ def _configure_root() -> None:
 def init_logger(name: str) -> logging.Logger:
     _configure_root()
     return logging.getLogger(name)
+
+
+def log_to_stderr() -> None:
+    """Move pagellm's log lines to stderr, for commands whose stdout is their product."""
+    _configure_root()
+    for handler in logging.getLogger("pagellm").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
+

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.logger import log_to_stderr
 from pagellm.engine.output_processor import OutputKind
 from pagellm.entrypoints.openai.cli_args import API_KEY_ENV_VARS
 from pagellm.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class LocalChat:
     def __init__(self, args: argparse.Namespace) -> None:
         from pagellm.engine.llm_engine import LLMEngine
 
+        log_to_stderr()  # stdout carries the conversation only
         engine_args = EngineArgs.from_cli_args(args)
         self.engine = LLMEngine(engine_args)
         self.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
