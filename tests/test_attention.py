@@ -2,8 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
+from pagellm.kernels import cpu_kernels_available
+from pagellm.model import attention
 from pagellm.model.attention import build_attention_metadata, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
@@ -21,7 +24,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conte
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-def test_mixed_decode_and_chunked_prefill_match_reference():
+@pytest.fixture(params=["cpu-kernel", "torch-ops"])
+def decode_path(request, monkeypatch):
+    """Run a test once with the compiled decode kernel and once with the torch fallback."""
+    if request.param == "cpu-kernel" and not cpu_kernels_available():
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    if request.param == "torch-ops":
+        monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
+    return request.param
+
+
+def test_mixed_decode_and_chunked_prefill_match_reference(decode_path):
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, KV_HEADS, 16, BLOCK, DIM)
     # (tokens already cached, new tokens this step, block table) per request
@@ -53,7 +66,7 @@ def test_mixed_decode_and_chunked_prefill_match_reference():
     torch.testing.assert_close(kv_cache[0, :, block, offset], new_keys[-1])
 
 
-def test_bf16_decode_attention_keeps_float32_accuracy():
+def test_bf16_decode_attention_keeps_float32_accuracy(decode_path):
     """Sharp attention (large scores) in bf16 must match float32 math on the same inputs."""
     torch.manual_seed(3)
     num_reqs, length = 3, 40

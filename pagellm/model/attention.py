@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.kernels import cpu_kernels_available, paged_decode_attention
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 
@@ -32,6 +33,7 @@ class AttentionGroup:
 
     query_index: torch.Tensor  # [B, Q] flat token index of each query slot (0 for padding)
     block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    seq_lens: torch.Tensor  # [B] keys visible to each request's last query
     mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] True where a key is visible
     valid_slots: torch.Tensor  # positions in the flattened [B * Q] that are real tokens
     token_index: torch.Tensor  # flat token index of each real slot, same order
@@ -98,6 +100,7 @@ def _build_group(
     return AttentionGroup(
         query_index=torch.from_numpy(query_index).to(device),
         block_tables=torch.from_numpy(table).to(device),
+        seq_lens=torch.from_numpy(s_lens).to(device),
         mask=torch.from_numpy(mask[:, None]).to(device),
         valid_slots=torch.from_numpy(flat_valid).to(device),
         token_index=torch.from_numpy(query_index.reshape(-1)[flat_valid]).to(device),
@@ -134,6 +137,9 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    if max_q == 1 and kv_cache.device.type == "cpu" and cpu_kernels_available():
+        return paged_decode_attention(query[group.token_index], kv_cache, group.block_tables,
+                                      group.seq_lens, scale)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
     kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim)  # [2, KVH, B, L, D]
     if max_q == 1:

@@ -21,10 +21,14 @@ import numpy as np
 import torch
 
 from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, SchedulerOutput
+from pagellm.kernels import cpu_kernels_available
+from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, build_attention_metadata,
                                      kv_cache_shape)
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -48,6 +52,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        if device.type == "cpu":  # build (or load) the kernels now, not at the first decode
+            logger.info("Decode attention: %s", "pagellm's paged CPU kernel"
+                        if cpu_kernels_available() else "torch ops (no CPU kernel)")
 
     def block_bytes(self) -> int:
         """Bytes of one block across all layers: 2 x block_size x kv_heads x head_dim x dtype x layers."""

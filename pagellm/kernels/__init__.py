@@ -1,0 +1,58 @@
+"""Hand-written CPU kernels, compiled once per machine with its C++ compiler.
+
+They are built on first use through `torch.utils.cpp_extension` into torch's
+extension cache (rebuilt only when the source or flags change), and register
+themselves as `torch.ops.pagellm.*`. Without a compiler, or with
+`PAGELLM_CPU_KERNELS=0`, the engine falls back to plain torch ops: same
+results, slower. `python -m pagellm.kernels` builds them ahead of time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+# -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
+# libgomp.so.1 torch has already loaded. Instruction sets matching the kernels torch itself dispatches to on this CPU.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (or load the cached build of) the CPU kernels; False if they cannot be used."""
+    if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
+        return False
+    from torch.utils.cpp_extension import load
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        load(name=f"pagellm_cpu_kernels_{capability.lower()}", sources=[str(s) for s in _SOURCES],
+             extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
+             extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build error
+        logger.warning("CPU kernels unavailable, using torch ops instead (slower): %s",
+                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return False
+    return True
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """query [N, H, D] (one token per request) -> [N, H * D], keys read in place from the cache."""
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
+    return out.view(query.shape[0], -1)

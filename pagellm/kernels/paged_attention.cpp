@@ -1,0 +1,174 @@
+// Decode attention over the paged KV cache, for CPUs.
+//
+// One query token per request attends to the keys of its own request, read in
+// place from the cache blocks its block table names: no gathered copy of K/V,
+// and scores, softmax and the weighted sum of values in float32 whatever the
+// cache dtype. Work items are (request, kv head) pairs spread over the
+// intra-op thread pool; each handles the query heads that share its kv head.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Element i of a row as float. bfloat16 is widened from its raw bits, which the
+// compiler vectorizes (the c10 struct's conversion operator it does not).
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// exp(x) for x <= 0 in plain float arithmetic, so that a loop of them vectorizes (std::exp
+// is a scalar library call): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
+// to degree 7 (relative error below 1e-7), 2^n built in the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += q[i] * load(k, i);
+  return sum;
+}
+
+template <typename T>
+inline void add_scaled(float* acc, const T* v, float weight, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] += weight * load(v, i);
+}
+
+// Calls visit(position, cache slot) for the first seq_len tokens of a block table,
+// block by block (no division per token).
+template <typename Visit>
+inline void for_each_token(const int64_t* table, int64_t seq_len, int64_t block_size,
+                           Visit&& visit) {
+  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+    const int64_t base = table[b] * block_size, count = std::min(block_size, seq_len - start);
+    for (int64_t i = 0; i < count; ++i) visit(start + i, base + i);
+  }
+}
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
+};
+
+// Attend the query heads [group, head_dim] of one (request, kv head) pair.
+template <typename T>
+void attend_one(T* out, const T* query, const T* keys, const T* values, const int64_t* table,
+                int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
+  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
+  scratch.assign(group * d * 2 + group * seq_len, 0.f);
+  float* q = scratch.data();
+  float* acc = q + group * d;
+  float* scores = acc + group * d;
+  for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
+  for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
+    const T* key = keys + slot * d;
+    for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, key, d);
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * seq_len;
+    const float peak = *std::max_element(row, row + seq_len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < seq_len; ++t) {
+      row[t] = exp_nonpositive(row[t] - peak);
+      total += row[t];
+    }
+    const float inverse = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inverse;
+  }
+  for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
+    const T* value = values + slot * d;
+    for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * d, value, scores[g * seq_len + t], d);
+  });
+  for (int64_t i = 0; i < group * d; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
+         float scale) {
+  const int64_t num_requests = query.size(0), group = s.num_heads / s.num_kv_heads;
+  const int64_t layer_stride = s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim;
+  const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
+  const T* cache = kv_cache.const_data_ptr<T>();
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  at::parallel_for(0, num_requests * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
+      const int64_t offset = (n * s.num_heads + h * group) * s.head_dim;
+      attend_one(o + offset, q + offset, cache + h * head_stride,
+                 cache + layer_stride + h * head_stride, tables + n * s.max_blocks, lens[n], s,
+                 scale, scratch);
+    }
+  });
+}
+
+// out, query: [N, H, D]; kv_cache: [2, KVH, num_blocks, block_size, D];
+// block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (keys visible to each query).
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention expects contiguous tensors");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
+              "paged_decode_attention: unexpected ranks");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query, cache and output dtypes differ");
+  const Shape s{query.size(1),   kv_cache.size(1), query.size(2),
+                kv_cache.size(2), kv_cache.size(3), block_tables.size(1)};
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
+              "paged_decode_attention: head shapes do not match");
+  const float f = static_cast<float>(scale);
+  switch (query.scalar_type()) {
+    case at::kFloat: run<float>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
+    case at::kBFloat16: run<c10::BFloat16>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
+    case at::kHalf: run<c10::Half>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagellm, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
