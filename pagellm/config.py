@@ -23,6 +23,7 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None
     served_model_name: str | None = None
+    gguf_int4_max_tokens: int = 16  # steps up to this size use a GGUF's 4-bit matrices as is
 
 
 @dataclass

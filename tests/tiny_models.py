@@ -121,11 +121,13 @@ def _randomize_norms_and_biases(model: torch.nn.Module) -> None:
             param.normal_(0.0, 0.2)
 
 
-def write_tiny_gguf(folder: Path, path: Path) -> Path:
-    """Convert a tiny HF folder to an F32 GGUF laid out as llama.cpp's converter does.
+def write_tiny_gguf(folder: Path, path: Path,
+                    quantization: gguf.GGMLQuantizationType | None = None) -> Path:
+    """Convert a tiny HF folder to a GGUF laid out as llama.cpp's converter does.
 
     Names come from gguf-py's own tensor map; Llama-type q/k rows get llama.cpp's
-    permutation and Llama 3 RoPE scaling becomes a `rope_freqs` tensor.
+    permutation and Llama 3 RoPE scaling becomes a `rope_freqs` tensor. Tensors are F32,
+    except the layers' projection matrices with a `quantization` (e.g. Q4_1).
     """
     config = json.loads((folder / "config.json").read_text())
     arch = "llama" if config["model_type"] in ("llama", "mistral") else config["model_type"]
@@ -145,7 +147,11 @@ def write_tiny_gguf(folder: Path, path: Path) -> Path:
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     for name, values in _gguf_tensors(folder, config, arch):
-        writer.add_tensor(name, values)
+        if quantization is not None and name.startswith("blk.") and values.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(values, quantization),
+                              raw_dtype=quantization)
+        else:
+            writer.add_tensor(name, values)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(head_dim, rope))
     writer.write_header_to_file()

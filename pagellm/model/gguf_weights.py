@@ -10,6 +10,7 @@ import torch
 from gguf.quants import dequantize
 
 from pagellm.model.arch import ArchConfig
+from pagellm.model.int4 import Int4Weight
 
 # Per-block GGUF tensor names (after "blk.N.") -> HF names (after "model.layers.N.").
 _BLOCK_NAMES = {
@@ -73,3 +74,43 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rest = weight.shape[1:]
     half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_int4_weights(reader: gguf.GGUFReader,
+                      arch: ArchConfig) -> Iterator[tuple[str, Int4Weight]]:
+    """The Q4_0 / Q4_1 matrices as 4-bit codes with per-32-column scales, under their HF names.
+
+    Both formats are exactly `(code - 8) * scale + zero` per group of 32 weights, the form
+    of PyTorch's int4 matmul kernels: Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`.
+    """
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in _INT4_TYPES or tensor.name in _CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name)
+        weight = _int4_groups(tensor)
+        if arch.model_type in _PERMUTED_ARCHITECTURES:
+            heads = (arch.num_attention_heads if ".q_proj." in name
+                     else arch.num_key_value_heads if ".k_proj." in name else 0)
+            if heads:
+                weight = weight.map_rows(lambda rows, h=heads: _unpermute_rows(rows, h))
+        yield name, weight
+
+
+_INT4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def _int4_groups(tensor: gguf.ReaderTensor) -> Int4Weight:
+    """Blocks of 32 weights: fp16 d (Q4_1: then fp16 m), then 16 bytes holding codes
+    0..15 of the block in their low nibbles and codes 16..31 in their high nibbles."""
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    with_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    header = 4 if with_min else 2
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, header + 16)
+    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    zero = (blocks[:, 2:4].copy().view(np.float16).astype(np.float32) + 8 * scale
+            if with_min else np.zeros_like(scale))
+    packed = blocks[:, header:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+    return Int4Weight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                      scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                      zeros=torch.from_numpy(zero.reshape(rows, cols // 32)))

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.int4 import Int4Weight, Linear
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 # HF projection name -> (our fused projection, index of its shard along the output rows)
@@ -37,8 +38,8 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.shard_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        self.qkv_proj = Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
+        self.o_proj = Linear(q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -94,9 +95,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -105,8 +106,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` -> float32 `[N, vocab]`."""
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return F.linear(hidden, head.weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, stacking q/k/v and gate/up; every parameter must be set."""
@@ -129,6 +131,24 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             loaded.add((name, shard))
         self._check_complete(params, loaded)
+
+    def attach_int4_weights(self, weights: Iterable[tuple[str, Int4Weight]],
+                            max_tokens: int) -> list[Linear]:
+        """Give projections their 4-bit form for steps of at most `max_tokens` tokens. A fused
+        projection gets one only if every shard has one. Returns the layers that did."""
+        shards: dict[str, dict[int | None, Int4Weight]] = {}
+        for hf_name, weight in weights:
+            name, shard = _fused_name(hf_name)
+            shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
+        attached = []
+        for name, parts in shards.items():
+            layer = self.get_submodule(name)
+            if not isinstance(layer, Linear) or set(parts) != set(_shards_of(name + ".weight")):
+                continue
+            layer.attach_int4(Int4Weight.cat([parts[key] for key in sorted(parts, key=_order)]),
+                              max_tokens)
+            attached.append(layer)
+        return attached
 
     def _shard(self, fused: torch.Tensor, name: str, shard: int) -> torch.Tensor:
         sizes = self.get_submodule(name.rsplit(".", 2)[0]).shard_sizes
@@ -153,6 +173,10 @@ def _fused_name(hf_name: str) -> tuple[str, int | None]:
         fused, shard = _FUSED_SHARDS[parts[-2]]
         return ".".join([*parts[:-2], fused, parts[-1]]), shard
     return hf_name, None
+
+
+def _order(shard: int | None) -> int:
+    return -1 if shard is None else shard
 
 
 def _shards_of(name: str) -> list[int | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
-from pagellm.model.gguf_weights import gguf_weights
+from pagellm.model.gguf_weights import gguf_int4_weights, gguf_weights
+from pagellm.model.int4 import Int4Weight, int4_supported
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -69,18 +70,20 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, gguf_int4_max_tokens: int = 0) -> LoadedModel:
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.suffix == ".gguf":
         reader = gguf.GGUFReader(path)
         arch = arch_from_gguf(reader)
-        weights = gguf_weights(reader, arch)
+        net = instantiate(arch, dtype, device)
+        net.load_weights(gguf_weights(reader, arch))
+        if gguf_int4_max_tokens > 0 and int4_supported(dtype, device):
+            attach_int4(net, gguf_int4_weights(reader, arch), gguf_int4_max_tokens)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
-        weights = safetensors_weights(path)
-    net = instantiate(arch, dtype, device)
-    net.load_weights(weights)
+        net = instantiate(arch, dtype, device)
+        net.load_weights(safetensors_weights(path))
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
@@ -89,6 +92,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                        chat_template=find_chat_template(tokenizer_source(path, tokenizer), tok),
                        path=path, weights_seconds=seconds,
                        eos_token_ids=eos_token_ids(path, tok))
+
+
+def attach_int4(net: LlamaForCausalLM, weights: Iterable[tuple[str, Int4Weight]],
+                max_tokens: int) -> None:
+    layers = net.attach_int4_weights(weights, max_tokens)
+    if layers:
+        logger.info("Steps of up to %d tokens use the GGUF's 4-bit weights of %d projections "
+                    "(%.1f MiB more memory)", max_tokens, len(layers),
+                    sum(layer.int4_bytes() for layer in layers) / (1 << 20))
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
