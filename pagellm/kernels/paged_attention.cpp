@@ -51,18 +51,22 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
+inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += q[i] * load(k, i);
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
-template <typename T>
-inline void add_scaled(float* acc, const T* v, float weight, int64_t n) {
+inline void add_scaled(float* acc, const float* v, float weight, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += weight * load(v, i);
+  for (int64_t i = 0; i < n; ++i) acc[i] += weight * v[i];
+}
+
+template <typename T>
+inline void widen(float* out, const T* row, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = load(row, i);
 }
 
 // Calls visit(position, cache slot) for the first seq_len tokens of a block table,
@@ -76,45 +80,51 @@ inline void for_each_token(const int64_t* table, int64_t seq_len, int64_t block_
   }
 }
 
+inline void softmax_in_place(float* row, int64_t n) {
+  const float peak = *std::max_element(row, row + n);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    row[t] = exp_nonpositive(row[t] - peak);
+    total += row[t];
+  }
+  const float inverse = 1.f / total;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) row[t] *= inverse;
+}
+
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
 };
 
-// Attend the query heads [group, head_dim] of one (request, kv head) pair.
-template <typename T>
+constexpr int64_t kMaxHeadDim = 512;
+
+// Attend the query heads [group, head_dim] of one (request, kv head) pair. kDim > 0 fixes
+// the head size at compile time (fully unrolled row loops); 0 reads it from the shape.
+// Each key and value row is widened to float32 once, then used by every query head.
+template <typename T, int64_t kDim>
 void attend_one(T* out, const T* query, const T* keys, const T* values, const int64_t* table,
                 int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
-  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
   scratch.assign(group * d * 2 + group * seq_len, 0.f);
   float* q = scratch.data();
   float* acc = q + group * d;
   float* scores = acc + group * d;
+  alignas(64) float row[kMaxHeadDim];
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
   for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
-    const T* key = keys + slot * d;
-    for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, key, d);
+    widen(row, keys + slot * d, d);
+    for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, row, d);
   });
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * seq_len;
-    const float peak = *std::max_element(row, row + seq_len);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < seq_len; ++t) {
-      row[t] = exp_nonpositive(row[t] - peak);
-      total += row[t];
-    }
-    const float inverse = 1.f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inverse;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax_in_place(scores + g * seq_len, seq_len);
   for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
-    const T* value = values + slot * d;
-    for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * d, value, scores[g * seq_len + t], d);
+    widen(row, values + slot * d, d);
+    for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * d, row, scores[g * seq_len + t], d);
   });
   for (int64_t i = 0; i < group * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-template <typename T>
+template <typename T, int64_t kDim>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
          float scale) {
@@ -131,11 +141,22 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t offset = (n * s.num_heads + h * group) * s.head_dim;
-      attend_one(o + offset, q + offset, cache + h * head_stride,
+      attend_one<T, kDim>(o + offset, q + offset, cache + h * head_stride,
                  cache + layer_stride + h * head_stride, tables + n * s.max_blocks, lens[n], s,
                  scale, scratch);
     }
   });
+}
+
+template <typename T>
+void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
+                  float scale) {
+  switch (s.head_dim) {
+    case 64: run<T, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
+    case 128: run<T, 128>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
+    default: run<T, 0>(out, query, kv_cache, block_tables, seq_lens, s, scale);
+  }
 }
 
 // out, query: [N, H, D]; kv_cache: [2, KVH, num_blocks, block_size, D];
@@ -155,11 +176,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                 kv_cache.size(2), kv_cache.size(3), block_tables.size(1)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
               "paged_decode_attention: head shapes do not match");
+  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
   const float f = static_cast<float>(scale);
   switch (query.scalar_type()) {
-    case at::kFloat: run<float>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
-    case at::kBFloat16: run<c10::BFloat16>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
-    case at::kHalf: run<c10::Half>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
+    case at::kFloat: dispatch_dim<float>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
+    case at::kBFloat16:
+      dispatch_dim<c10::BFloat16>(out, query, kv_cache, block_tables, seq_lens, s, f);
+      break;
+    case at::kHalf: dispatch_dim<c10::Half>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
   }
 }
