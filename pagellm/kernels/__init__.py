@@ -19,7 +19,8 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary_embedding.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. Instruction sets matching the kernels torch itself dispatches to on this CPU.
 _ISA_FLAGS = {
@@ -56,3 +57,23 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     out = torch.empty_like(query)
     torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
     return out.view(query.shape[0], -1)
+
+
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and cpu_kernels_available()
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """x [T, size] = rms_norm(x) * weight, in place."""
+    torch.ops.pagellm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> None:
+    """residual += x, then x = rms_norm(residual) * weight; both in place, both [T, size]."""
+    torch.ops.pagellm.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding_(x: torch.Tensor, angles: torch.Tensor) -> None:
+    """Rotate x [T, heads, dim] in place by angles [T, dim] float32 (cos half, then sin half)."""
+    torch.ops.pagellm.rotary_embedding(x, angles)

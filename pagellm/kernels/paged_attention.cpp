@@ -190,7 +190,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(pagellm, m) {
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
 }

@@ -3,24 +3,51 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import add_rms_norm_, rms_norm_, rotary_embedding_, use_cpu_kernels
 from pagellm.model.int4 import Linear
 
 
 class RMSNorm(nn.Module):
-    """Normalizes in float32 and scales in the input dtype, as the reference models do."""
+    """Normalizes in float32 and scales in the input dtype, as the reference models do.
+
+    With a `residual`, first adds it (the decoder's running sum) and returns both the
+    normalized sum and the sum: one fused pass on CPU, where both are updated in place.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = x.dim() == 2 and use_cpu_kernels(x)
+        if residual is None:
+            if not fused:
+                return self._normalize(x)
+            out = x.clone()
+            rms_norm_(out, self.weight, self.eps)
+            return out
+        if not fused:
+            residual = x + residual
+            return self._normalize(residual), residual
+        add_rms_norm_(x, residual, self.weight, self.eps)
+        return x, residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -74,19 +101,22 @@ class RotaryEmbedding(nn.Module):
         angles = positions[:, None] * inv_freq[None, :]
         return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped `[T, 1, head_dim // 2]` to broadcast over heads."""
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each position's row `[T, head_dim]`: cos of every pair, then sin of every pair."""
         if self._table is None or self._table.device != positions.device:
             self._table = self._compute_table(positions.device)
-        cos, sin = self._table[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return self._table[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (i, i + d/2) of `x` `[T, heads, head_dim]` (the "rotate half" layout)."""
+def rotate_(x: torch.Tensor, angles: torch.Tensor) -> None:
+    """Rotate pairs (i, i + d/2) of `x` `[T, heads, head_dim]` in place ("rotate half" layout),
+    in float32 math, by the `[T, head_dim]` rows of `RotaryEmbedding`."""
+    if use_cpu_kernels(x):
+        rotary_embedding_(x, angles)
+        return
+    cos, sin = angles.unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.to(x.dtype)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
 class GatedMLP(nn.Module):

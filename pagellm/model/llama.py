@@ -16,7 +16,7 @@ from torch import nn
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
 from pagellm.model.int4 import Int4Weight, Linear
-from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate_
 
 # HF projection name -> (our fused projection, index of its shard along the output rows)
 _FUSED_SHARDS = {
@@ -44,15 +44,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        num_tokens, q_size, kv_size = qkv.shape[0], *self.shard_sizes[:2]
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads,
+                                                                 self.head_dim))
+            rotate_(q, angles)
+            rotate_(k, angles)
+        else:  # queries and keys sit side by side in the fused output: one rotation
+            rotate_(qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim), angles)
+            q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, scale=self.scale))
 
 
@@ -64,10 +70,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, angles: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the running sum before it): the next norm adds them."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, angles, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -81,11 +94,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        hidden, residual = self.embed_tokens(input_ids), None
+        angles = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

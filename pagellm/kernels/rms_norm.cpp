@@ -1,0 +1,100 @@
+// RMSNorm, alone or fused with the residual add that precedes it, for CPUs.
+//
+// Rounds where the reference (Hugging Face) layers round, so results are the same as
+// the unfused torch ops up to float32 summation order: the residual sum is rounded to the activation dtype,
+// normalization runs in float32, its result is rounded before the weight multiply,
+// and the product is rounded again. One pass per token row instead of eight ops.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+inline float round_to(float value) {
+  return static_cast<float>(static_cast<T>(value));
+}
+
+// With residual: residual = x + residual (rounded), then x = norm(residual).
+template <typename T>
+void norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t size, int64_t x_stride,
+               int64_t residual_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * x_stride;
+      T* rr = residual != nullptr ? residual + r * residual_stride : nullptr;
+      float squares = 0.f;
+      for (int64_t i = 0; i < size; ++i) {
+        float value = static_cast<float>(xr[i]);
+        if (rr != nullptr) {
+          value = round_to<T>(value + static_cast<float>(rr[i]));
+          rr[i] = static_cast<T>(value);
+        }
+        squares += value * value;
+      }
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+      const T* source = rr != nullptr ? rr : xr;
+      for (int64_t i = 0; i < size; ++i) {
+        const float normed = round_to<T>(static_cast<float>(source[i]) * inverse);
+        xr[i] = static_cast<T>(normed * static_cast<float>(weight[i]));
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm expects rows [T, size] with contiguous rows and a weight [size] of the "
+              "same dtype");
+}
+
+template <typename Fn>
+void dispatch(const at::Tensor& x, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// x = norm(x) * weight, in place.
+void rms_norm(at::Tensor x, const at::Tensor& weight, double eps) {
+  check(x, weight);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    norm_rows<T>(x.mutable_data_ptr<T>(), nullptr, weight.const_data_ptr<T>(), x.size(0),
+                 x.size(1), x.stride(0), 0, static_cast<float>(eps));
+  });
+}
+
+// residual += x; x = norm(residual) * weight, both in place.
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check(x, weight);
+  check(residual, weight);
+  TORCH_CHECK(residual.size(0) == x.size(0), "add_rms_norm: row counts differ");
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    norm_rows<T>(x.mutable_data_ptr<T>(), residual.mutable_data_ptr<T>(),
+                 weight.const_data_ptr<T>(), x.size(0), x.size(1), x.stride(0),
+                 residual.stride(0), static_cast<float>(eps));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

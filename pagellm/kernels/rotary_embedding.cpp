@@ -1,0 +1,68 @@
+// Rotary position embedding, in place, for CPUs: the "rotate half" layout, where pair
+// (i, i + d/2) of each head turns by its position's angle. Math in float32, one
+// rounding per element, as the unfused torch path does. Queries and keys are
+// rotated in one call when they sit side by side in the fused QKV output.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+void rotate(T* x, const float* table, int64_t tokens, int64_t heads, int64_t dim,
+            int64_t token_stride, int64_t head_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = table + t * dim;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* first = x + t * token_stride + h * head_stride;
+        T* second = first + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(first[i]), b = static_cast<float>(second[i]);
+          first[i] = static_cast<T>(a * cos[i] - b * sin[i]);
+          second[i] = static_cast<T>(b * cos[i] + a * sin[i]);
+        }
+      }
+    }
+  });
+}
+
+// x: [T, heads, dim] with contiguous heads rows; table: [T, dim] float32, cos of each
+// pair in its first half and sin in its second.
+void rotary_embedding(at::Tensor x, const at::Tensor& table) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_embedding expects [T, heads, dim] with contiguous head rows");
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat &&
+                  table.size(0) == x.size(0) && table.size(1) == x.size(2),
+              "rotary_embedding: the table must be float32 [T, dim]");
+  const float* angles = table.const_data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rotate(x.mutable_data_ptr<float>(), angles, x.size(0), x.size(1), x.size(2), x.stride(0),
+             x.stride(1));
+      break;
+    case at::kBFloat16:
+      rotate(x.mutable_data_ptr<c10::BFloat16>(), angles, x.size(0), x.size(1), x.size(2),
+             x.stride(0), x.stride(1));
+      break;
+    case at::kHalf:
+      rotate(x.mutable_data_ptr<c10::Half>(), angles, x.size(0), x.size(1), x.size(2),
+             x.stride(0), x.stride(1));
+      break;
+    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("rotary_embedding(Tensor(a!) x, Tensor table) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("rotary_embedding", &rotary_embedding); }

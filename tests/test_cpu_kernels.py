@@ -1,0 +1,68 @@
+"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary) against the torch ops
+they replace. (The paged decode attention kernel is tested in test_attention.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels import cpu_kernels_available
+from pagellm.model import layers
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
+                                reason="no C++ compiler: the CPU kernels could not be built")
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: summation order only; bf16: at most one rounding step of the output apart
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=2 ** -7)}
+
+
+@pytest.fixture
+def torch_ops(monkeypatch: pytest.MonkeyPatch):
+    """Call the returned function to switch the layers to their torch path."""
+    return lambda: monkeypatch.setattr(layers, "use_cpu_kernels", lambda x: False)
+
+
+def make_norm(size: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(size, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch(dtype: torch.dtype, torch_ops) -> None:
+    norm = make_norm(96, dtype)
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    kept = x.clone()
+    fused = norm(x)
+    assert torch.equal(x, kept)  # without a residual the input is left alone
+    torch_ops()
+    torch.testing.assert_close(fused, norm(x), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch(dtype: torch.dtype, torch_ops) -> None:
+    norm = make_norm(64, dtype)
+    x, residual = torch.randn(5, 64).to(dtype), (torch.randn(5, 64) * 4).to(dtype)
+    fused, fused_sum = norm(x.clone(), residual.clone())
+    torch_ops()
+    expected, expected_sum = norm(x, residual)
+    assert torch.equal(fused_sum, expected_sum)  # the running sum is rounded like torch's add
+    torch.testing.assert_close(fused, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view_matches_torch(dtype: torch.dtype, torch_ops) -> None:
+    """Queries and keys rotated together inside a fused QKV output; values untouched."""
+    heads, kv_heads, dim = 4, 2, 16
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    angles = rope(torch.tensor([0, 5, 17, 63]))
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * dim).to(dtype)
+    original, expected = qkv.clone(), qkv.clone()
+    rotate_(qkv[:, :(heads + kv_heads) * dim].view(4, -1, dim), angles)
+    torch_ops()
+    rotate_(expected[:, :(heads + kv_heads) * dim].view(4, -1, dim), angles)
+    torch.testing.assert_close(qkv, expected, **TOLERANCE[dtype])
+    assert torch.equal(qkv[0], original[0])  # position 0: the identity rotation
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], original[:, (heads + kv_heads) * dim:])
+    assert not torch.allclose(qkv[1:], original[1:])
