@@ -10,6 +10,7 @@ results, slower. `python -m pagellm.kernels` builds them ahead of time.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary_embedding.cpp")]
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary_embedding.cpp")]
+_HEADERS = [_HERE / "float_conversion.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
-# libgomp.so.1 torch has already loaded. Instruction sets matching the kernels torch itself dispatches to on this CPU.
+# libgomp.so.1 torch has already loaded. Instruction sets: those of the kernels torch itself
+# dispatches to on this CPU.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -38,7 +41,8 @@ def cpu_kernels_available() -> bool:
 
     capability = torch.backends.cpu.get_cpu_capability()
     try:
-        load(name=f"pagellm_cpu_kernels_{capability.lower()}", sources=[str(s) for s in _SOURCES],
+        load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}",
+             sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
              extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
@@ -47,6 +51,14 @@ def cpu_kernels_available() -> bool:
                        str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     return True
+
+
+def _source_digest() -> str:
+    """Part of the build's name: torch rebuilds on a changed source, not on a changed header."""
+    digest = hashlib.sha256()
+    for path in [*_SOURCES, *_HEADERS]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,

@@ -17,18 +17,12 @@
 #include <cstring>
 #include <vector>
 
+#include "float_conversion.h"
+
 namespace {
 
-// Element i of a row as float. bfloat16 is widened from its raw bits, which the
-// compiler vectorizes (the c10 struct's conversion operator it does not).
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const c10::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+using pagellm::load;
+using pagellm::store;
 
 // exp(x) for x <= 0 in plain float arithmetic, so that a loop of them vectorizes (std::exp
 // is a scalar library call): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
@@ -56,11 +50,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
-}
-
-inline void add_scaled(float* acc, const float* v, float weight, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += weight * v[i];
 }
 
 template <typename T>
@@ -101,15 +90,15 @@ constexpr int64_t kMaxHeadDim = 512;
 
 // Attend the query heads [group, head_dim] of one (request, kv head) pair. kDim > 0 fixes
 // the head size at compile time (fully unrolled row loops); 0 reads it from the shape.
-// Each key and value row is widened to float32 once, then used by every query head.
+// Scores: each key row is widened to float32 once for every query head. Values: one
+// head at a time, so that its weighted sum stays in registers across the tokens.
 template <typename T, int64_t kDim>
 void attend_one(T* out, const T* query, const T* keys, const T* values, const int64_t* table,
                 int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
-  scratch.assign(group * d * 2 + group * seq_len, 0.f);
+  scratch.resize(group * d + group * seq_len);
   float* q = scratch.data();
-  float* acc = q + group * d;
-  float* scores = acc + group * d;
+  float* scores = q + group * d;
   alignas(64) float row[kMaxHeadDim];
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
   for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
@@ -117,11 +106,18 @@ void attend_one(T* out, const T* query, const T* keys, const T* values, const in
     for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, row, d);
   });
   for (int64_t g = 0; g < group; ++g) softmax_in_place(scores + g * seq_len, seq_len);
-  for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
-    widen(row, values + slot * d, d);
-    for (int64_t g = 0; g < group; ++g) add_scaled(acc + g * d, row, scores[g * seq_len + t], d);
-  });
-  for (int64_t i = 0; i < group * d; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float sum[kMaxHeadDim];
+    std::fill(sum, sum + d, 0.f);
+    const float* weights = scores + g * seq_len;
+    for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
+      const T* value = values + slot * d;
+      const float weight = weights[t];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) sum[i] += weight * load(value, i);
+    });
+    for (int64_t i = 0; i < d; ++i) store(out, g * d + i, sum[i]);
+  }
 }
 
 template <typename T, int64_t kDim>

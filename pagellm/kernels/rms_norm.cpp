@@ -13,12 +13,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "float_conversion.h"
+
 namespace {
 
-template <typename T>
-inline float round_to(float value) {
-  return static_cast<float>(static_cast<T>(value));
-}
+using pagellm::load;
+using pagellm::round_to;
+using pagellm::store;
 
 // With residual: residual = x + residual (rounded), then x = norm(residual).
 template <typename T>
@@ -29,20 +30,22 @@ void norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t size, i
       T* xr = x + r * x_stride;
       T* rr = residual != nullptr ? residual + r * residual_stride : nullptr;
       float squares = 0.f;
-      for (int64_t i = 0; i < size; ++i) {
-        float value = static_cast<float>(xr[i]);
-        if (rr != nullptr) {
-          value = round_to<T>(value + static_cast<float>(rr[i]));
-          rr[i] = static_cast<T>(value);
+      if (rr != nullptr) {
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < size; ++i) {
+          const float value = round_to<T>(load(xr, i) + load(rr, i));
+          store(rr, i, value);
+          squares += value * value;
         }
-        squares += value * value;
+      } else {
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < size; ++i) squares += load(xr, i) * load(xr, i);
       }
       const float inverse = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
       const T* source = rr != nullptr ? rr : xr;
-      for (int64_t i = 0; i < size; ++i) {
-        const float normed = round_to<T>(static_cast<float>(source[i]) * inverse);
-        xr[i] = static_cast<T>(normed * static_cast<float>(weight[i]));
-      }
+#pragma omp simd
+      for (int64_t i = 0; i < size; ++i)
+        store(xr, i, round_to<T>(load(source, i) * inverse) * load(weight, i));
     }
   });
 }

@@ -10,7 +10,12 @@
 
 #include <cstdint>
 
+#include "float_conversion.h"
+
 namespace {
+
+using pagellm::load;
+using pagellm::store;
 
 template <typename T>
 void rotate(T* x, const float* table, int64_t tokens, int64_t heads, int64_t dim,
@@ -23,10 +28,11 @@ void rotate(T* x, const float* table, int64_t tokens, int64_t heads, int64_t dim
       for (int64_t h = 0; h < heads; ++h) {
         T* first = x + t * token_stride + h * head_stride;
         T* second = first + half;
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float a = static_cast<float>(first[i]), b = static_cast<float>(second[i]);
-          first[i] = static_cast<T>(a * cos[i] - b * sin[i]);
-          second[i] = static_cast<T>(b * cos[i] + a * sin[i]);
+          const float a = load(first, i), b = load(second, i);
+          store(first, i, a * cos[i] - b * sin[i]);
+          store(second, i, b * cos[i] + a * sin[i]);
         }
       }
     }
