@@ -3,7 +3,9 @@
 One server at a time: start a peer, wait for it, run the same `pagellm bench serve` sweep
 (completions endpoint, identical random prompts tokenized with the GGUF's tokenizer: one
 run per `--concurrency` with num-prompts = max(8, 2 x concurrency), then one
-`--request-rate` run), stop it, move on. Then write benchmarks/results/peers.md and plots.
+`--request-rate` run), stop it, move on. For pagellm, then also time batched decode steps
+offline (`pagellm bench throughput --decode-steps`). The bf16 matmul peak is measured first,
+on the idle machine. Then write benchmarks/results/peers.md and plots.
 
 Peers: `pagellm` (the embedded SmolLM2-135M Q4_1 GGUF), `llamacpp` (llama-cpp-python's
 OpenAI server on the same GGUF; skipped when not installed) and `naive` (transformers +
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers_report import write_report
+from peers_report import DECODE_LOG, save_peak, write_report
 from serve_compare import RESULTS, bench, free_port, serving
 
 from pagellm.model.loader import default_model_path
@@ -99,6 +102,16 @@ def run_peer(peer: Peer, args: argparse.Namespace, gguf: Path, cap: int | None) 
             bench(url, PEER_DIR, result_name(peer.name, label), [*common, *flags])
 
 
+def run_decode_steps(batch_sizes: str) -> None:
+    """pagellm's batched decode alone (offline, no server): the roofline's decode figures."""
+    argv = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput",
+            "--input-len", "128", "--output-len", "8", "--batch-sizes", batch_sizes,
+            "--decode-steps", "10"]
+    print(f"[pagellm] decode steps at batch {batch_sizes}", flush=True)
+    with open(PEER_DIR / DECODE_LOG, "w") as log:
+        subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
 def parse_caps(values: list[str]) -> dict[str, int]:
     caps: dict[str, int] = {}
     for value in values:
@@ -120,6 +133,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-prompts", action="append", default=[], metavar="PEER=N",
                         help="cap one peer's num-prompts per run (repeatable), "
                              "e.g. naive=16: the naive server serves one request at a time")
+    parser.add_argument("--decode-batch-sizes", default="64,256",
+                        help="batch sizes of pagellm's decode-step roofline run")
     parser.add_argument("--report-only", action="store_true",
                         help="skip the runs; rebuild peers.md and the plots from saved JSON")
     return parser.parse_args()
@@ -131,6 +146,8 @@ def main() -> None:
     PEER_DIR.mkdir(parents=True, exist_ok=True)
     gguf = default_model_path()
     skipped: dict[str, str] = {}
+    if not args.report_only:
+        save_peak(PEER_DIR)
     for name in [] if args.report_only else args.peers:
         reason = PEERS[name].missing()
         if reason:
@@ -138,6 +155,8 @@ def main() -> None:
             skipped[name] = reason
             continue
         run_peer(PEERS[name], args, gguf, caps.get(name))
+        if name == "pagellm":
+            run_decode_steps(args.decode_batch_sizes)
     write_report(PEER_DIR, args.peers, args.concurrency, f"rate{args.request_rate:g}",
                  skipped, caps)
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "that field, so its outputs may stop early at EOS; tok/s counts real tokens). "
          "Runs `cN`: `--max-concurrency N`; the rate run: Poisson arrivals, no cap on "
          "concurrency. One server at a time on this machine.")
+DECODE_LOG = "pagellm-decode-steps.log"
+DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s")
 PLOTS = (("output_throughput", "output tok/s", "peers_output_throughput.png"),
          ("p99_ttft_ms", "TTFT p99 (ms)", "peers_ttft_p99.png"),
          ("p99_itl_ms", "ITL p99 (ms)", "peers_itl_p99.png"))
@@ -97,16 +100,39 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
     return [filename for _, _, filename in PLOTS]
 
 
-def roofline(results: dict[str, dict[str, dict[str, Any]]], top: int) -> str:
-    peak = matmul_peak_gflops()
+def save_peak(peer_dir: Path) -> None:
+    """Measure the matmul roof on the idle machine, before any server runs, for the report."""
+    (peer_dir / "matmul_peak.json").write_text(json.dumps({"gflops": matmul_peak_gflops()}))
+
+
+def decode_steps(peer_dir: Path) -> list[tuple[int, float, float]]:
+    """(batch, ms per step, output tok/s) from `pagellm bench throughput --decode-steps`."""
+    path = peer_dir / DECODE_LOG
+    if not path.is_file():
+        return []
+    return [(int(m[1]), float(m[2]), float(m[3])) for m in DECODE_LINE.finditer(path.read_text())]
+
+
+def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top: int) -> list[str]:
+    peak_file = peer_dir / "matmul_peak.json"
+    peak = (json.loads(peak_file.read_text())["gflops"] if peak_file.is_file()
+            else matmul_peak_gflops())
+    lines = [f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best of 5); "
+             f"achieved = 2 x {PARAMETERS / 1e6:.1f}M params x output tok/s.", ""]
     run = results.get("pagellm", {}).get(f"c{top}")
-    if run is None:
-        return f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s; no pagellm c{top} run."
-    achieved = 2 * PARAMETERS * run["output_throughput"] / 1e9
-    return (f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s; pagellm at "
-            f"concurrency {top} achieves 2 x {PARAMETERS / 1e6:.1f}M params x "
-            f"{run['output_throughput']:.1f} tok/s = {achieved:.1f} GFLOP/s "
-            f"({100 * achieved / peak:.1f}% of peak).")
+    if run is not None:
+        lines.append(_roof_line(f"serving, concurrency {top} (prefill included)",
+                                run["output_throughput"], peak))
+    for batch, ms, tokens in decode_steps(peer_dir):
+        lines.append(_roof_line(f"batched decode, batch {batch} ({ms:.1f} ms per step)",
+                                tokens, peak))
+    return lines
+
+
+def _roof_line(label: str, tokens_per_second: float, peak: float) -> str:
+    achieved = 2 * PARAMETERS * tokens_per_second / 1e9
+    return (f"- pagellm {label}: {tokens_per_second:.1f} tok/s = {achieved:.1f} GFLOP/s, "
+            f"{100 * achieved / peak:.1f}% of peak")
 
 
 def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], rate_run: str,
@@ -116,13 +142,13 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], rate_
     results = {peer: {run: r for run in runs if (r := load(peer_dir, peer, run))}
                for peer in peers}
     results = {peer: found for peer, found in results.items() if found}
-    roof = roofline(results, max(concurrency))
+    roof = roofline(peer_dir, results, max(concurrency))
     pngs = plot(results, concurrency, peer_dir.parent)
     notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
     notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
     lines = ["# Serving peers side by side", "",
              INTRO,
-             "", f"Machine: {machine()}", "", *notes, "", *table(results), "", roof, "",
+             "", f"Machine: {machine()}", "", *notes, "", *table(results), "", *roof, "",
              *(f"![{png}]({png})" for png in pngs), ""]
     (peer_dir.parent / "peers.md").write_text("\n".join(lines))
-    print("\n".join(table(results)), roof, sep="\n")
+    print("\n".join(table(results)), *roof, sep="\n")
