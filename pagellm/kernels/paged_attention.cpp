@@ -59,11 +59,19 @@ inline void widen(float* out, const T* row, int64_t n) {
 }
 
 // Calls visit(position, cache slot) for the first seq_len tokens of a block table,
-// block by block (no division per token).
-template <typename Visit>
+// block by block (no division per token). Blocks lie anywhere in the cache, out of
+// reach of the hardware prefetcher: the next block's rows (`row_bytes` each, from
+// `rows`) are requested while this one is visited.
+template <typename T, typename Visit>
 inline void for_each_token(const int64_t* table, int64_t seq_len, int64_t block_size,
-                           Visit&& visit) {
-  for (int64_t start = 0, b = 0; start < seq_len; start += block_size, ++b) {
+                           const T* rows, int64_t row_size, Visit&& visit) {
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t block_bytes = block_size * row_size * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0, start = 0; b < num_blocks; ++b, start += block_size) {
+    if (b + 1 < num_blocks) {
+      const char* next = reinterpret_cast<const char*>(rows + table[b + 1] * block_size * row_size);
+      for (int64_t offset = 0; offset < block_bytes; offset += 64) __builtin_prefetch(next + offset);
+    }
     const int64_t base = table[b] * block_size, count = std::min(block_size, seq_len - start);
     for (int64_t i = 0; i < count; ++i) visit(start + i, base + i);
   }
@@ -101,7 +109,7 @@ void attend_one(T* out, const T* query, const T* keys, const T* values, const in
   float* scores = q + group * d;
   alignas(64) float row[kMaxHeadDim];
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
-  for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
+  for_each_token(table, seq_len, s.block_size, keys, d, [&](int64_t t, int64_t slot) {
     widen(row, keys + slot * d, d);
     for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, row, d);
   });
@@ -110,7 +118,7 @@ void attend_one(T* out, const T* query, const T* keys, const T* values, const in
     alignas(64) float sum[kMaxHeadDim];
     std::fill(sum, sum + d, 0.f);
     const float* weights = scores + g * seq_len;
-    for_each_token(table, seq_len, s.block_size, [&](int64_t t, int64_t slot) {
+    for_each_token(table, seq_len, s.block_size, values, d, [&](int64_t t, int64_t slot) {
       const T* value = values + slot * d;
       const float weight = weights[t];
 #pragma omp simd
