@@ -1,12 +1,13 @@
-"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary) against the torch ops
-they replace. (The paged decode attention kernel is tested in test_attention.py.)"""
+"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation)
+against the torch ops they replace. (The paged decode attention kernel is tested in test_attention.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from pagellm.kernels import cpu_kernels_available
+from pagellm.kernels import cpu_kernels_available, silu_and_mul
 from pagellm.model import layers
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
 
@@ -66,3 +67,23 @@ def test_rotary_in_place_on_a_strided_view_matches_torch(dtype: torch.dtype, tor
     assert torch.equal(qkv[0], original[0])  # position 0: the identity rotation
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], original[:, (heads + kv_heads) * dim:])
     assert not torch.allclose(qkv[1:], original[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, torch_ops) -> None:
+    mlp = layers.GatedMLP(32, 48).to(dtype)
+    x = (torch.randn(6, 32) * 2).to(dtype)
+    with torch.no_grad():
+        mlp.down_proj.weight.copy_(torch.eye(32, 48))  # keep the activation's first 32 values
+        fused = mlp(x)
+        torch_ops()
+        expected = mlp(x)
+    assert (fused != 0).any()
+    torch.testing.assert_close(fused, expected, **TOLERANCE[dtype])
+
+
+def test_silu_and_mul_is_finite_at_extremes() -> None:
+    gate = torch.tensor([[-1000.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 1000.0]])
+    up = torch.full_like(gate, 2.0)
+    out = silu_and_mul(torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)

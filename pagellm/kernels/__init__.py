@@ -21,8 +21,9 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp", "rotary_embedding.cpp")]
-_HEADERS = [_HERE / "float_conversion.h"]
+_SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
+                                      "rotary_embedding.cpp", "activation.cpp")]
+_HEADERS = [_HERE / "vectorizable.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. Instruction sets: those of the kernels torch itself
 # dispatches to on this CPU.
@@ -89,3 +90,10 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def rotary_embedding_(x: torch.Tensor, angles: torch.Tensor) -> None:
     """Rotate x [T, heads, dim] in place by angles [T, dim] float32 (cos half, then sin half)."""
     torch.ops.pagellm.rotary_embedding(x, angles)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.pagellm.silu_and_mul(out, gate_up)
+    return out

@@ -17,33 +17,13 @@
 #include <cstring>
 #include <vector>
 
-#include "float_conversion.h"
+#include "vectorizable.h"
 
 namespace {
 
+using pagellm::exp_nonpositive;
 using pagellm::load;
 using pagellm::store;
-
-// exp(x) for x <= 0 in plain float arithmetic, so that a loop of them vectorizes (std::exp
-// is a scalar library call): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
-// to degree 7 (relative error below 1e-7), 2^n built in the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;

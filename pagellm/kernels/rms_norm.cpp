@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "float_conversion.h"
+#include "vectorizable.h"
 
 namespace {
 

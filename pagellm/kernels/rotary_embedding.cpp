@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "float_conversion.h"
+#include "vectorizable.h"
 
 namespace {
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import add_rms_norm_, rms_norm_, rotary_embedding_, use_cpu_kernels
+from pagellm.kernels import (add_rms_norm_, rms_norm_, rotary_embedding_, silu_and_mul,
+                             use_cpu_kernels)
 from pagellm.model.int4 import Linear
 
 
@@ -129,5 +130,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_cpu_kernels(gate_up):
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,82 @@
+// Helpers written so that loops over them vectorize. Reading and writing activations of
+// any dtype as float32: bfloat16 is converted through its raw bits (the c10 struct's
+// operators are opaque scalar calls to the vectorizer); float16 goes through c10. And
+// exp in plain float arithmetic (std::exp is a scalar library call).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagellm {
+
+inline float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint32_t float_to_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// Round to nearest even at bfloat16's 8 mantissa bits, as torch does (NaN payloads aside).
+inline uint16_t bfloat16_bits(float value) {
+  const uint32_t bits = float_to_bits(value);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  return bits_to_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
+}
+
+inline void store(float* p, int64_t i, float value) { p[i] = value; }
+inline void store(c10::Half* p, int64_t i, float value) { p[i] = static_cast<c10::Half>(value); }
+inline void store(c10::BFloat16* p, int64_t i, float value) {
+  reinterpret_cast<uint16_t*>(p)[i] = bfloat16_bits(value);
+}
+
+// `value` rounded to T's precision, still as float.
+inline float rounded(float value, const float*) { return value; }
+inline float rounded(float value, const c10::Half*) {
+  return static_cast<float>(static_cast<c10::Half>(value));
+}
+inline float rounded(float value, const c10::BFloat16*) {
+  return bits_to_float(static_cast<uint32_t>(bfloat16_bits(value)) << 16);
+}
+template <typename T>
+inline float round_to(float value) {
+  return rounded(value, static_cast<const T*>(nullptr));
+}
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
+// to degree 7 (relative error below 1e-7), 2^n built in the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  // x / ln2 rounded to the nearest integer by adding and removing 1.5 * 2^23 (std::floor
+  // would keep the loop scalar)
+  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace pagellm
