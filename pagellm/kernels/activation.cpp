@@ -45,20 +45,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
                   out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
               "silu_and_mul expects out [T, I] and gate_up [T, 2I] of one dtype");
   const int64_t rows = gate_up.size(0), size = out.size(1), stride = gate_up.stride(0);
-  switch (gate_up.scalar_type()) {
-    case at::kFloat:
-      run(out.mutable_data_ptr<float>(), gate_up.const_data_ptr<float>(), rows, size, stride);
-      break;
-    case at::kBFloat16:
-      run(out.mutable_data_ptr<c10::BFloat16>(), gate_up.const_data_ptr<c10::BFloat16>(), rows,
-          size, stride);
-      break;
-    case at::kHalf:
-      run(out.mutable_data_ptr<c10::Half>(), gate_up.const_data_ptr<c10::Half>(), rows, size,
-          stride);
-      break;
-    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", gate_up.scalar_type());
-  }
+  pagellm::dispatch_dtype(gate_up, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    run(out.mutable_data_ptr<T>(), gate_up.const_data_ptr<T>(), rows, size, stride);
+  });
 }
 
 }  // namespace

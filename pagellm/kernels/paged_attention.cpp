@@ -162,14 +162,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "paged_decode_attention: head shapes do not match");
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
   const float f = static_cast<float>(scale);
-  switch (query.scalar_type()) {
-    case at::kFloat: dispatch_dim<float>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
-    case at::kBFloat16:
-      dispatch_dim<c10::BFloat16>(out, query, kv_cache, block_tables, seq_lens, s, f);
-      break;
-    case at::kHalf: dispatch_dim<c10::Half>(out, query, kv_cache, block_tables, seq_lens, s, f); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
-  }
+  pagellm::dispatch_dtype(query, "paged_decode_attention", [&](auto tag) {
+    dispatch_dim<decltype(tag)>(out, query, kv_cache, block_tables, seq_lens, s, f);
+  });
 }
 
 }  // namespace

@@ -57,20 +57,10 @@ void check(const at::Tensor& x, const at::Tensor& weight) {
               "same dtype");
 }
 
-template <typename Fn>
-void dispatch(const at::Tensor& x, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
-  }
-}
-
 // x = norm(x) * weight, in place.
 void rms_norm(at::Tensor x, const at::Tensor& weight, double eps) {
   check(x, weight);
-  dispatch(x, [&](auto tag) {
+  pagellm::dispatch_dtype(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     norm_rows<T>(x.mutable_data_ptr<T>(), nullptr, weight.const_data_ptr<T>(), x.size(0),
                  x.size(1), x.stride(0), 0, static_cast<float>(eps));
@@ -82,7 +72,7 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   check(x, weight);
   check(residual, weight);
   TORCH_CHECK(residual.size(0) == x.size(0), "add_rms_norm: row counts differ");
-  dispatch(x, [&](auto tag) {
+  pagellm::dispatch_dtype(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     norm_rows<T>(x.mutable_data_ptr<T>(), residual.mutable_data_ptr<T>(),
                  weight.const_data_ptr<T>(), x.size(0), x.size(1), x.stride(0),

@@ -48,21 +48,11 @@ void rotary_embedding(at::Tensor x, const at::Tensor& table) {
                   table.size(0) == x.size(0) && table.size(1) == x.size(2),
               "rotary_embedding: the table must be float32 [T, dim]");
   const float* angles = table.const_data_ptr<float>();
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      rotate(x.mutable_data_ptr<float>(), angles, x.size(0), x.size(1), x.size(2), x.stride(0),
-             x.stride(1));
-      break;
-    case at::kBFloat16:
-      rotate(x.mutable_data_ptr<c10::BFloat16>(), angles, x.size(0), x.size(1), x.size(2),
-             x.stride(0), x.stride(1));
-      break;
-    case at::kHalf:
-      rotate(x.mutable_data_ptr<c10::Half>(), angles, x.size(0), x.size(1), x.size(2),
-             x.stride(0), x.stride(1));
-      break;
-    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
-  }
+  pagellm::dispatch_dtype(x, "rotary_embedding", [&](auto tag) {
+    using T = decltype(tag);
+    rotate(x.mutable_data_ptr<T>(), angles, x.size(0), x.size(1), x.size(2), x.stride(0),
+           x.stride(1));
+  });
 }
 
 }  // namespace

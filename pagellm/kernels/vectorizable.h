@@ -4,6 +4,7 @@
 // exp in plain float arithmetic (std::exp is a scalar library call).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -77,6 +78,17 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// Calls fn(T{}) with T the C++ type of x's dtype: float, c10::BFloat16 or c10::Half.
+template <typename Fn>
+void dispatch_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", x.scalar_type());
+  }
 }
 
 }  // namespace pagellm
