@@ -27,7 +27,8 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "(same tokenizer, same seed), `--ignore-eos` (llama-cpp-python's server ignores "
          "that field, so its outputs may stop early at EOS; tok/s counts real tokens). "
          "Runs `cN`: `--max-concurrency N`; the rate run: Poisson arrivals, no cap on "
-         "concurrency. One server at a time on this machine.")
+         "concurrency. One server at a time on this machine, whose speed varies by about 10% "
+         "from one run to the next (shared host): compare peers within one run.")
 DECODE_LOG = "pagellm-decode-steps.log"
 DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s")
 PLOTS = (("output_throughput", "output tok/s", "peers_output_throughput.png"),
