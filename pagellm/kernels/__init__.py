@@ -42,9 +42,12 @@ def cpu_kernels_available() -> bool:
 
     capability = torch.backends.cpu.get_cpu_capability()
     try:
+        isa = _ISA_FLAGS.get(capability, [])
+        if capability == "AVX512" and _cpu_has("avx512_bf16"):
+            isa = [*isa, "-mavx512bf16"]
         load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}",
              sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
-             extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])],
+             extra_cflags=["-O3", "-fopenmp", *isa],
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build error
@@ -52,6 +55,15 @@ def cpu_kernels_available() -> bool:
                        str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     return True
+
+
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag (Linux; False elsewhere)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and flag in line.split() for line in info.splitlines())
 
 
 def _source_digest() -> str:
