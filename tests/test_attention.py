@@ -14,10 +14,10 @@ HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int) -> torch.Tensor:
     """q [Q, H, D] at positions context.., k/v [context + Q, KVH, D]."""
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     q_pos = torch.arange(q.shape[0])[:, None] + context
     k_pos = torch.arange(k.shape[0])[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
@@ -66,14 +66,18 @@ def test_mixed_decode_and_chunked_prefill_match_reference(decode_path):
     torch.testing.assert_close(kv_cache[0, :, block, offset], new_keys[-1])
 
 
-def test_bf16_decode_attention_keeps_float32_accuracy(decode_path):
-    """Sharp attention (large scores) in bf16 must match float32 math on the same inputs."""
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(HEADS, KV_HEADS, DIM), (6, 2, 64),
+                                                      (9, 3, 128)])
+def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_heads, dim):
+    """Sharp attention (large scores) in bf16 must match float32 math on the same inputs.
+    Head sizes 64 and 128 take the kernel's compiled-size paths (and its bf16 dot-product
+    instruction where the CPU has one); 8 takes the generic one."""
     torch.manual_seed(3)
     num_reqs, length = 3, 40
-    kv_cache = torch.zeros(2, KV_HEADS, 32, BLOCK, DIM, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(2, kv_heads, 32, BLOCK, dim, dtype=torch.bfloat16)
     tables = [list(range(i * 10, i * 10 + 10))[::-1] for i in range(num_reqs)]
-    keys = (torch.randn(num_reqs, length, KV_HEADS, DIM) * 5).bfloat16()
-    values = torch.randn(num_reqs, length, KV_HEADS, DIM).bfloat16()
+    keys = (torch.randn(num_reqs, length, kv_heads, dim) * 5 / math.sqrt(dim / DIM)).bfloat16()
+    values = torch.randn(num_reqs, length, kv_heads, dim).bfloat16()
     for r, table in enumerate(tables):
         for pos in range(length - 1):
             kv_cache[0, :, table[pos // BLOCK], pos % BLOCK] = keys[r, pos]
@@ -81,8 +85,8 @@ def test_bf16_decode_attention_keeps_float32_accuracy(decode_path):
     slots = torch.tensor([t[(length - 1) // BLOCK] * BLOCK + (length - 1) % BLOCK for t in tables])
     metadata = build_attention_metadata([1] * num_reqs, [length] * num_reqs, tables, slots, BLOCK,
                                         torch.device("cpu"))
-    query = (torch.randn(num_reqs, HEADS, DIM) * 5).bfloat16()
-    out = paged_attention(query, keys[:, -1], values[:, -1], kv_cache, metadata, DIM ** -0.5)
+    query = (torch.randn(num_reqs, heads, dim) * 5).bfloat16()
+    out = paged_attention(query, keys[:, -1], values[:, -1], kv_cache, metadata, dim ** -0.5)
     expected = torch.cat([reference_attention(query[r:r + 1].float(), keys[r].float(),
                                               values[r].float(), length - 1)
                           for r in range(num_reqs)])
