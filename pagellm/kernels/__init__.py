@@ -42,12 +42,9 @@ def cpu_kernels_available() -> bool:
 
     capability = torch.backends.cpu.get_cpu_capability()
     try:
-        isa = _ISA_FLAGS.get(capability, [])
-        if capability == "AVX512" and _cpu_has("avx512_bf16"):
-            isa = [*isa, "-mavx512bf16"]
         load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}",
              sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
-             extra_cflags=["-O3", "-fopenmp", *isa],
+             extra_cflags=["-O3", "-fopenmp", *_isa_flags(capability)],
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build error
@@ -55,6 +52,14 @@ def cpu_kernels_available() -> bool:
                        str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     return True
+
+
+def _isa_flags(capability: str) -> list[str]:
+    """torch's instruction sets for this CPU, plus AVX512-BF16 where the CPU has it."""
+    flags = _ISA_FLAGS.get(capability, [])
+    if capability == "AVX512" and _cpu_has("avx512_bf16"):
+        flags = [*flags, "-mavx512bf16"]
+    return flags
 
 
 def _cpu_has(flag: str) -> bool:
