@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import cpu_kernels_available, paged_decode_attention
+from pagellm.kernels import paged_decode_attention, use_cpu_kernels
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 
@@ -137,7 +137,7 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    if max_q == 1 and kv_cache.device.type == "cpu" and cpu_kernels_available():
+    if max_q == 1 and use_cpu_kernels(kv_cache):
         return paged_decode_attention(query[group.token_index], kv_cache, group.block_tables,
                                       group.seq_lens, scale)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
