@@ -23,7 +23,8 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None
     served_model_name: str | None = None
-    gguf_int4_max_tokens: int = 16  # steps up to this size use a GGUF's 4-bit matrices as is
+    # steps up to this size multiply a GGUF's quantized matrices as stored; None: measured
+    gguf_quantized_max_tokens: int | None = None
 
 
 @dataclass

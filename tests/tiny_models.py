@@ -122,12 +122,14 @@ def _randomize_norms_and_biases(model: torch.nn.Module) -> None:
 
 
 def write_tiny_gguf(folder: Path, path: Path,
-                    quantization: gguf.GGMLQuantizationType | None = None) -> Path:
+                    quantization: gguf.GGMLQuantizationType | None = None,
+                    embedding_quantization: gguf.GGMLQuantizationType | None = None) -> Path:
     """Convert a tiny HF folder to a GGUF laid out as llama.cpp's converter does.
 
     Names come from gguf-py's own tensor map; Llama-type q/k rows get llama.cpp's
     permutation and Llama 3 RoPE scaling becomes a `rope_freqs` tensor. Tensors are F32,
-    except the layers' projection matrices with a `quantization` (e.g. Q4_1).
+    except the layers' projection matrices with a `quantization` (e.g. Q4_1) and the
+    embeddings and output projection with an `embedding_quantization` (e.g. Q8_0).
     """
     config = json.loads((folder / "config.json").read_text())
     arch = "llama" if config["model_type"] in ("llama", "mistral") else config["model_type"]
@@ -147,9 +149,10 @@ def write_tiny_gguf(folder: Path, path: Path,
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     for name, values in _gguf_tensors(folder, config, arch):
-        if quantization is not None and name.startswith("blk.") and values.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(values, quantization),
-                              raw_dtype=quantization)
+        kind = (quantization if name.startswith("blk.") and values.ndim == 2 else
+                embedding_quantization if name in ("token_embd.weight", "output.weight") else None)
+        if kind is not None:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
     if rope.get("rope_type") == "llama3":

@@ -34,9 +34,10 @@ _HELP = {
                           "sized by kv_connector_extra_config.cpu_bytes_to_use",
     "preemption_mode": "auto, swap or recompute: how a preempted request keeps its KV (swap "
                        "needs the second KV tier; auto picks the cheaper per request)",
-    "gguf_int4_max_tokens": "steps of at most this many tokens multiply a GGUF's Q4_0/Q4_1 "
-                            "matrices in 4 bits (PyTorch's int4 CPU kernel; costs a quarter of "
-                            "their bf16 size in memory); 0: always the dequantized weights",
+    "gguf_quantized_max_tokens": "steps of at most this many tokens multiply a GGUF's "
+                                 "Q4_0/Q4_1/Q8_0 matrices as stored (pagellm's CPU kernel; "
+                                 "keeps the codes beside the dequantized weights); default: "
+                                 "measured at start-up; 0: always the dequantized weights",
 }
 
 
@@ -61,17 +62,17 @@ class EngineArgs:
     kv_offloading_path: str | None = None
     kv_transfer_config: str | None = None
     preemption_mode: str = "auto"
-    gguf_int4_max_tokens: int = 16
+    gguf_quantized_max_tokens: int | None = None
 
     def model_config(self) -> ModelConfig:
-        if self.gguf_int4_max_tokens < 0:
-            raise ValueError("gguf_int4_max_tokens must be at least 0, got "
-                             f"{self.gguf_int4_max_tokens}.")
+        if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
+            raise ValueError("gguf_quantized_max_tokens must be at least 0, got "
+                             f"{self.gguf_quantized_max_tokens}.")
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
                            chat_template=self.chat_template,
                            served_model_name=self.served_model_name,
-                           gguf_int4_max_tokens=self.gguf_int4_max_tokens)
+                           gguf_quantized_max_tokens=self.gguf_quantized_max_tokens)
 
     def cache_config(self) -> CacheConfig:
         if self.block_size < 1:

@@ -22,7 +22,8 @@ logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
-                                      "rotary_embedding.cpp", "activation.cpp")]
+                                      "rotary_embedding.cpp", "activation.cpp",
+                                      "quantized_linear.cpp")]
 _HEADERS = [_HERE / "vectorizable.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. Instruction sets: those of the kernels torch itself
@@ -113,4 +114,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     torch.ops.pagellm.silu_and_mul(out, gate_up)
+    return out
+
+
+def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor | None, bits: int, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N]."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    empty = scales.new_empty(0)
+    torch.ops.pagellm.quantized_linear(out, x, codes, scales, empty if zeros is None else zeros,
+                                       bits)
     return out

@@ -10,7 +10,7 @@ import torch
 from gguf.quants import dequantize
 
 from pagellm.model.arch import ArchConfig
-from pagellm.model.int4 import Int4Weight
+from pagellm.model.quantized import GroupQuantWeight
 
 # Per-block GGUF tensor names (after "blk.N.") -> HF names (after "model.layers.N.").
 _BLOCK_NAMES = {
@@ -76,18 +76,18 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_int4_weights(reader: gguf.GGUFReader,
-                      arch: ArchConfig) -> Iterator[tuple[str, Int4Weight]]:
-    """The Q4_0 / Q4_1 matrices as 4-bit codes with per-32-column scales, under their HF names.
+def gguf_quantized_weights(reader: gguf.GGUFReader,
+                           arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
+    """The Q4_0 / Q4_1 / Q8_0 matrices as codes with per-32-column scales, under HF names.
 
-    Both formats are exactly `(code - 8) * scale + zero` per group of 32 weights, the form
-    of PyTorch's int4 matmul kernels: Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`.
+    Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
+    Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes).
     """
     for tensor in reader.tensors:
-        if tensor.tensor_type not in _INT4_TYPES or tensor.name in _CONFIG_TENSORS:
+        if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name)
-        weight = _int4_groups(tensor)
+        weight = _GROUP_READERS[tensor.tensor_type](tensor)
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             heads = (arch.num_attention_heads if ".q_proj." in name
                      else arch.num_key_value_heads if ".k_proj." in name else 0)
@@ -96,21 +96,40 @@ def gguf_int4_weights(reader: gguf.GGUFReader,
         yield name, weight
 
 
-_INT4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+def _blocks(tensor: gguf.ReaderTensor, header: int, code_bytes: int) -> tuple[np.ndarray, int, int]:
+    """The tensor's blocks of 32 weights as rows of bytes, and its (rows, cols)."""
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    return np.asarray(tensor.data, dtype=np.uint8).reshape(-1, header + code_bytes), rows, cols
 
 
-def _int4_groups(tensor: gguf.ReaderTensor) -> Int4Weight:
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _q4_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
     """Blocks of 32 weights: fp16 d (Q4_1: then fp16 m), then 16 bytes holding codes
     0..15 of the block in their low nibbles and codes 16..31 in their high nibbles."""
-    rows, cols = (int(d) for d in reversed(tensor.shape))
     with_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
-    header = 4 if with_min else 2
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, header + 16)
-    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    zero = (blocks[:, 2:4].copy().view(np.float16).astype(np.float32) + 8 * scale
-            if with_min else np.zeros_like(scale))
-    packed = blocks[:, header:]
+    blocks, rows, cols = _blocks(tensor, 4 if with_min else 2, 16)
+    scale = _fp16(blocks, 0)
+    packed = blocks[:, -16:]
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
-    return Int4Weight(codes=torch.from_numpy(codes.reshape(rows, cols)),
-                      scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
-                      zeros=torch.from_numpy(zero.reshape(rows, cols // 32)))
+    zeros = (torch.from_numpy((_fp16(blocks, 2) + 8 * scale).reshape(rows, cols // 32))
+             if with_min else None)
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=zeros, bits=4)
+
+
+def _q8_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 32 weights: fp16 d, then 32 signed bytes."""
+    blocks, rows, cols = _blocks(tensor, 2, 32)
+    codes = blocks[:, 2:].copy().view(np.int8)
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(_fp16(blocks, 0).reshape(rows, cols // 32)),
+                            zeros=None, bits=8)
+
+
+_GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
+                  gguf.GGMLQuantizationType.Q4_1: _q4_groups,
+                  gguf.GGMLQuantizationType.Q8_0: _q8_groups}

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagellm.kernels import (add_rms_norm_, rms_norm_, rotary_embedding_, silu_and_mul,
                              use_cpu_kernels)
-from pagellm.model.int4 import Linear
+from pagellm.model.quantized import Linear
 
 
 class RMSNorm(nn.Module):

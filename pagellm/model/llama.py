@@ -10,12 +10,11 @@ from collections import Counter
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
-from pagellm.model.int4 import Int4Weight, Linear
+from pagellm.model.quantized import GroupQuantWeight, Linear
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate_
 
 # HF projection name -> (our fused projection, index of its shard along the output rows)
@@ -108,9 +107,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch)
-        self.lm_head: Linear | None = None
-        if not arch.tie_word_embeddings:
-            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -119,17 +116,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` -> float32 `[N, vocab]`."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    @property
+    def lm_head_is_tied(self) -> bool:
+        return self.lm_head.weight is self.model.embed_tokens.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, stacking q/k/v and gate/up; every parameter must be set."""
-        params = dict(self.named_parameters())
+        tied = self.arch.tie_word_embeddings
+        params = {name: param for name, param in self.named_parameters()
+                  if not (tied and name == "lm_head.weight")}
         loaded: set[tuple[str, int | None]] = set()
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (
-                    hf_name == "lm_head.weight" and self.lm_head is None):
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
                 continue
             name, shard = _fused_name(hf_name)
             if name not in params:
@@ -145,12 +145,15 @@ class LlamaForCausalLM(nn.Module):
             loaded.add((name, shard))
         self._check_complete(params, loaded)
 
-    def attach_int4_weights(self, weights: Iterable[tuple[str, Int4Weight]],
-                            max_tokens: int) -> list[Linear]:
-        """Give projections their 4-bit form for steps of at most `max_tokens` tokens. A fused
-        projection gets one only if every shard has one. Returns the layers that did."""
-        shards: dict[str, dict[int | None, Int4Weight]] = {}
+    def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
+                                 max_tokens: int) -> list[Linear]:
+        """Give projections their quantized form for steps of at most `max_tokens` tokens. A
+        fused projection gets one only if every shard has one; a tied output projection gets
+        the embeddings'. Returns the layers that did."""
+        shards: dict[str, dict[int | None, GroupQuantWeight]] = {}
         for hf_name, weight in weights:
+            if hf_name == "model.embed_tokens.weight" and self.lm_head_is_tied:
+                hf_name = "lm_head.weight"
             name, shard = _fused_name(hf_name)
             shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
         attached = []
@@ -158,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
             layer = self.get_submodule(name)
             if not isinstance(layer, Linear) or set(parts) != set(_shards_of(name + ".weight")):
                 continue
-            layer.attach_int4(Int4Weight.cat([parts[key] for key in sorted(parts, key=_order)]),
-                              max_tokens)
+            layer.attach_quantized(
+                GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)]), max_tokens)
             attached.append(layer)
         return attached
 
@@ -169,11 +172,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, params: dict[str, nn.Parameter],
                         loaded: set[tuple[str, int | None]]) -> None:
+        head = ("lm_head.weight", None)
         expected = {(name, shard) for name in params for shard in _shards_of(name)}
-        missing = expected - loaded
-        if missing == {("lm_head.weight", None)}:
-            self.lm_head = None  # no output projection saved: the embeddings are tied
-            return
+        missing = expected - loaded - {head}
+        if head not in loaded:  # tied, or no output projection saved: share the embeddings
+            self.lm_head.weight = self.model.embed_tokens.weight
         if missing:
             names = sorted(name for name, _ in missing)
             raise ValueError(f"Checkpoint is missing {len(names)} weight(s), e.g. {names[:5]}.")

@@ -16,8 +16,9 @@ from transformers import PreTrainedTokenizerBase
 
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
-from pagellm.model.gguf_weights import gguf_int4_weights, gguf_weights
-from pagellm.model.int4 import Int4Weight, int4_supported
+from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.quantized import (GroupQuantWeight, measure_max_tokens,
+                                     quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -70,7 +71,10 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               tokenizer: str | None = None, gguf_int4_max_tokens: int = 0) -> LoadedModel:
+               tokenizer: str | None = None,
+               gguf_quantized_max_tokens: int | None = 0) -> LoadedModel:
+    """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
+    quantized matrices as stored; None measures where that stops paying, 0 never does."""
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.suffix == ".gguf":
@@ -78,8 +82,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         arch = arch_from_gguf(reader)
         net = instantiate(arch, dtype, device)
         net.load_weights(gguf_weights(reader, arch))
-        if gguf_int4_max_tokens > 0 and int4_supported(dtype, device):
-            attach_int4(net, gguf_int4_weights(reader, arch), gguf_int4_max_tokens)
+        if gguf_quantized_max_tokens != 0 and quantized_supported(device):
+            attach_quantized(net, gguf_quantized_weights(reader, arch), gguf_quantized_max_tokens,
+                             dtype)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
@@ -94,13 +99,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                        eos_token_ids=eos_token_ids(path, tok))
 
 
-def attach_int4(net: LlamaForCausalLM, weights: Iterable[tuple[str, Int4Weight]],
-                max_tokens: int) -> None:
-    layers = net.attach_int4_weights(weights, max_tokens)
-    if layers:
-        logger.info("Steps of up to %d tokens use the GGUF's 4-bit weights of %d projections "
-                    "(%.1f MiB more memory)", max_tokens, len(layers),
-                    sum(layer.int4_bytes() for layer in layers) / (1 << 20))
+def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQuantWeight]],
+                     max_tokens: int | None, dtype: torch.dtype) -> None:
+    layers = net.attach_quantized_weights(weights, max_tokens or 0)
+    if not layers:
+        return
+    how = "set"
+    if max_tokens is None:
+        max_tokens, how = measure_max_tokens(layers, dtype), "measured"
+        for layer in layers:
+            layer.quantized_max_tokens = max_tokens
+    extra = sum(layer.quantized_bytes() for layer in layers) / (1 << 20)
+    logger.info("Steps of up to %d tokens (%s) multiply the GGUF's quantized weights of %d "
+                "projections (%.1f MiB more memory)", max_tokens, how, len(layers), extra)
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -1,0 +1,142 @@
+"""GGUF-quantized weights for small steps, multiplied as the file stores them.
+
+A step of a few tokens reads every weight once for a handful of rows, so it is
+bound by memory traffic: 4-bit codes are an eighth of float32's bytes, 8-bit
+codes a quarter. A large step is bound by compute, where widening codes as it
+multiplies makes the kernel slower than the dense matmul. A layer therefore keeps
+both forms and picks one per step from its number of tokens; where the two cross
+depends on the CPU, so it is measured at start-up (`measure_max_tokens`). The
+quantized form holds the file's exact codes and scales: both compute with the
+same weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.kernels import quantized_linear, use_cpu_kernels
+
+GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
+CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class GroupQuantWeight:
+    """weight[o, i] = (codes[o, i] - offset) * scales[o, i // 32] + zeros[o, i // 32],
+    with offset 8 for 4-bit codes (uint8 0..15) and 0 for 8-bit ones (int8)."""
+
+    codes: torch.Tensor  # [out, in]
+    scales: torch.Tensor  # [out, in // GROUP_SIZE] float32
+    zeros: torch.Tensor | None  # like scales; None where every zero is 0 (Q4_0, Q8_0)
+    bits: int
+
+    @property
+    def offset(self) -> int:
+        return 8 if self.bits == 4 else 0
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuantWeight:
+        """Apply the same reordering of output rows to codes, scales and zeros."""
+        zeros = None if self.zeros is None else fn(self.zeros)
+        return GroupQuantWeight(fn(self.codes), fn(self.scales), zeros, self.bits)
+
+    @staticmethod
+    def cat(parts: Sequence[GroupQuantWeight]) -> GroupQuantWeight:
+        """Stack along the output rows, as fused projections do."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("cannot fuse matrices quantized with different bit widths")
+        zeros = None
+        if any(p.zeros is not None for p in parts):
+            zeros = torch.cat([torch.zeros_like(p.scales) if p.zeros is None else p.zeros
+                               for p in parts])
+        return GroupQuantWeight(torch.cat([p.codes for p in parts]),
+                                torch.cat([p.scales for p in parts]), zeros, parts[0].bits)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight these codes stand for."""
+        expand = lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)  # noqa: E731
+        weight = (self.codes.float() - self.offset) * expand(self.scales)
+        return weight if self.zeros is None else weight + expand(self.zeros)
+
+    def kernel_codes(self) -> torch.Tensor:
+        """The codes in the kernel's layout: 8-bit as is; 4-bit two per byte, element j of a
+        group in the low nibble of byte j and element 16 + j in its high nibble."""
+        if self.bits == 8:
+            return self.codes.contiguous()
+        rows, cols = self.codes.shape
+        halves = self.codes.reshape(rows, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
+        return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def quantized_supported(device: torch.device) -> bool:
+    """The kernel is a CPU one; CUDA would need its own."""
+    return use_cpu_kernels(torch.empty(0, device=device))
+
+
+class Linear(nn.Linear):
+    """An nn.Linear that may also hold its weight quantized, used for steps of few tokens."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.quantized: GroupQuantWeight | None = None  # codes in the kernel's layout
+        self.quantized_max_tokens = 0
+
+    def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int) -> None:
+        if weight.codes.shape != self.weight.shape:
+            raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
+                             f"of shape {tuple(self.weight.shape)}.")
+        self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(),
+                                          None if weight.zeros is None else weight.zeros.contiguous(),
+                                          weight.bits)
+        self.quantized_max_tokens = max_tokens
+
+    def quantized_bytes(self) -> int:
+        q = self.quantized
+        if q is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (q.codes, q.scales, q.zeros)
+                   if t is not None)
+
+    def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantized
+        assert q is not None
+        out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
+            return self.quantized_forward(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> int:
+    """The largest step size (of CANDIDATE_MAX_TOKENS) at which one pass over every layer is
+    faster with the quantized weights than with the dense ones; 0 if it never is. A pass
+    over all layers reads them from memory, as a model step does."""
+    best = 0
+    for tokens in CANDIDATE_MAX_TOKENS:
+        inputs = {size: torch.randn(tokens, size).to(dtype) for size in
+                  {layer.in_features for layer in layers}}
+        quantized = _best_seconds(lambda: [layer.quantized_forward(inputs[layer.in_features])
+                                           for layer in layers])
+        dense = _best_seconds(lambda: [F.linear(inputs[layer.in_features], layer.weight)
+                                       for layer in layers])
+        if quantized >= dense:
+            break
+        best = tokens
+    return best
+
+
+def _best_seconds(fn: Callable[[], object], tries: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
