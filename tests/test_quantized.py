@@ -130,17 +130,20 @@ def test_small_steps_use_the_quantized_weights_with_the_same_results(
     assert results["quantized"][2] == results["dense"][2]
 
 
-def test_measured_max_tokens_is_a_candidate_where_the_kernel_wins() -> None:
-    """On any CPU one token reads 8x fewer bytes through 4-bit codes than float32 weights."""
+def test_max_tokens_are_measured_per_layer_shape() -> None:
+    """Each shape gets a candidate size (or 0), set on every layer of that shape."""
     layers = []
-    for rows in (1024, 2048):
+    for rows in (512, 512, 1024):
         layer = Linear(1024, rows, bias=False)
         weight = random_weight(4, rows, 1024, with_zeros=True)
         layer.weight.data = weight.dequantize()
         layer.attach_quantized(weight, max_tokens=0)
         layers.append(layer)
-    measured = measure_max_tokens(layers, torch.float32)
-    assert measured in quantized_module.CANDIDATE_MAX_TOKENS
+    sizes = measure_max_tokens(layers, torch.float32)
+    assert sorted(sizes) == ["1024x1024 Q4", "1024x512 Q4"]
+    assert set(sizes.values()) <= {0, *quantized_module.CANDIDATE_MAX_TOKENS}
+    assert [layer.quantized_max_tokens for layer in layers] == [
+        sizes["1024x512 Q4"], sizes["1024x512 Q4"], sizes["1024x1024 Q4"]]
 
 
 def teacher_forced_logits(model: LlamaForCausalLM, arch: ArchConfig, dtype: torch.dtype,

@@ -104,14 +104,14 @@ def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQu
     layers = net.attach_quantized_weights(weights, max_tokens or 0)
     if not layers:
         return
-    how = "set"
-    if max_tokens is None:
-        max_tokens, how = measure_max_tokens(layers, dtype), "measured"
-        for layer in layers:
-            layer.quantized_max_tokens = max_tokens
     extra = sum(layer.quantized_bytes() for layer in layers) / (1 << 20)
-    logger.info("Steps of up to %d tokens (%s) multiply the GGUF's quantized weights of %d "
-                "projections (%.1f MiB more memory)", max_tokens, how, len(layers), extra)
+    if max_tokens is None:
+        sizes = measure_max_tokens(layers, dtype)
+        how = "measured per shape: " + ", ".join(f"{shape} {n}" for shape, n in sizes.items())
+    else:
+        how = f"at most {max_tokens}"
+    logger.info("Steps of few tokens multiply the GGUF's quantized weights of %d projections "
+                "(%.1f MiB more memory); tokens per step %s", len(layers), extra, how)
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -13,6 +13,7 @@ same weights.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,22 +115,29 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> int:
-    """The largest step size (of CANDIDATE_MAX_TOKENS) at which one pass over every layer is
-    faster with the quantized weights than with the dense ones; 0 if it never is. A pass
-    over all layers reads them from memory, as a model step does."""
-    best = 0
-    for tokens in CANDIDATE_MAX_TOKENS:
-        inputs = {size: torch.randn(tokens, size).to(dtype) for size in
-                  {layer.in_features for layer in layers}}
-        quantized = _best_seconds(lambda: [layer.quantized_forward(inputs[layer.in_features])
-                                           for layer in layers])
-        dense = _best_seconds(lambda: [F.linear(inputs[layer.in_features], layer.weight)
-                                       for layer in layers])
-        if quantized >= dense:
-            break
-        best = tokens
-    return best
+def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
+    """Set each layer's `quantized_max_tokens` to the largest step size (of
+    CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, or
+    0. Layers of one shape are timed together, in one pass over all of them, so that the
+    weights come from memory as they do in a model step. Returns the sizes by shape."""
+    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
+    for layer in layers:
+        assert layer.quantized is not None
+        shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
+    chosen = {}
+    for (in_features, out_features, bits), group in shapes.items():
+        best = 0
+        for tokens in CANDIDATE_MAX_TOKENS:
+            x = torch.randn(tokens, in_features).to(dtype)
+            quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in group])
+            dense = _best_seconds(lambda: [F.linear(x, layer.weight) for layer in group])
+            if quantized >= dense:
+                break
+            best = tokens
+        for layer in group:
+            layer.quantized_max_tokens = best
+        chosen[f"{in_features}x{out_features} Q{bits}"] = best
+    return chosen
 
 
 def _best_seconds(fn: Callable[[], object], tries: int = 3) -> float:
