@@ -4,8 +4,9 @@ One server at a time: start a peer, wait for it, run the same `pagellm bench ser
 (completions endpoint, identical random prompts tokenized with the GGUF's tokenizer: one
 run per `--concurrency` with num-prompts = max(8, 2 x concurrency), then one
 `--request-rate` run), stop it, move on. For pagellm, then also time batched decode steps
-offline (`pagellm bench throughput --decode-steps`). The bf16 matmul peak is measured first,
-on the idle machine. Then write benchmarks/results/peers.md and plots.
+offline (`pagellm bench throughput --decode-steps`). The matmul peak, in the dtype
+pagellm picks on this CPU, is measured first, on the idle machine. Then write
+benchmarks/results/peers.md and plots.
 
 Peers: `pagellm` (the embedded SmolLM2-135M Q4_1 GGUF), `llamacpp` (llama-cpp-python's
 OpenAI server on the same GGUF; skipped when not installed) and `naive` (transformers +

@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from pagellm.platform import resolve_dtype
+
 PARAMETERS = 134.5e6  # SmolLM2-135M
 COLUMNS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "p50_ttft_ms"),
            ("TTFT p99 ms", "p99_ttft_ms"), ("ITL p50 ms", "p50_itl_ms"),
@@ -43,18 +45,26 @@ def version(package: str) -> str:
         return "not installed"
 
 
+def engine_dtype() -> torch.dtype:
+    """What pagellm's `--dtype auto` picks on this CPU: bf16 only where it is native."""
+    return resolve_dtype("auto", torch.device("cpu"))
+
+
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, "
+    isa = torch.backends.cpu.get_cpu_capability()
+    return (f"{cpu}, {os.cpu_count()} cores, {isa}; pagellm computes in "
+            f"{str(engine_dtype()).removeprefix('torch.')}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {version('transformers')}, "
             f"llama-cpp-python {version('llama-cpp-python')}")
 
 
 def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
-    """Best-of-`tries` GFLOP/s of one n x n bf16 matmul: this machine's compute roof."""
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    """Best-of-`tries` GFLOP/s of one n x n matmul in pagellm's dtype: this machine's roof."""
+    dtype = engine_dtype()
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.matmul(a, b)  # warm-up
     best = float("inf")
     for _ in range(tries):
@@ -118,7 +128,9 @@ def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top:
     peak_file = peer_dir / "matmul_peak.json"
     peak = (json.loads(peak_file.read_text())["gflops"] if peak_file.is_file()
             else matmul_peak_gflops())
-    lines = [f"Roofline: bf16 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best of 5); "
+    dtype = str(engine_dtype()).removeprefix("torch.")
+    lines = [f"Roofline: {dtype} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best "
+             "of 5, pagellm's dtype on this CPU); "
              f"achieved = 2 x {PARAMETERS / 1e6:.1f}M params x output tok/s.", ""]
     run = results.get("pagellm", {}).get(f"c{top}")
     if run is not None:
