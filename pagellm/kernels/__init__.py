@@ -26,7 +26,9 @@ _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "quantized_linear.cpp")]
 _HEADERS = [_HERE / "vectorizable.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
-# libgomp.so.1 torch has already loaded. Instruction sets: those of the kernels torch itself
+# libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
+# FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
+# exp's clamp in every softmax and SiLU loop; it changes no rounding. Instruction sets: those of the kernels torch itself
 # dispatches to on this CPU.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -45,7 +47,8 @@ def cpu_kernels_available() -> bool:
     try:
         load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}",
              sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
-             extra_cflags=["-O3", "-fopenmp", *_isa_flags(capability)],
+             extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
+                           *_isa_flags(capability)],
              extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build error

@@ -61,7 +61,7 @@ inline float round_to(float value) {
 // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series
 // to degree 7 (relative error below 1e-7), 2^n built in the exponent bits.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+  x = x < -87.0f ? -87.0f : x;  // not std::max: its reference arguments keep `omp simd` scalar
   // x / ln2 rounded to the nearest integer by adding and removing 1.5 * 2^23 (std::floor
   // would keep the loop scalar)
   const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
