@@ -17,8 +17,15 @@ The naive server runs requests one after another, so at concurrency 64 the defau
 prompts would take most of an hour: cap a peer's num-prompts with `--max-prompts
 naive=16` (the cap applies to every run of that peer, the rate run included).
 
+The host's speed can drift by 10-50% over minutes, so `--repeat N` runs the whole peer
+loop N times in rounds (pagellm, llamacpp, naive, then again), and the report gives each
+figure's median over the rounds; `--name` keeps such a run's files apart from the default
+`peers` set:
+
     python benchmarks/peers.py --max-prompts naive=16
     python benchmarks/peers.py --report-only        # redo peers.md and the plots
+    python benchmarks/peers.py --name peers-targets --repeat 3 --concurrency 1 64 \
+        --request-rate 0 --max-prompts naive=16 --max-prompts llamacpp=32
 """
 
 from __future__ import annotations
@@ -31,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers_report import DECODE_LOG, save_peak, write_report
+from peers_report import decode_log_name, save_peak, write_report
 from serve_compare import RESULTS, bench, free_port, serving
 
 from pagellm.model.loader import default_model_path
 
-PEER_DIR = RESULTS / "peers"
 NAIVE_SERVER = Path(__file__).parent / "naive_server.py"
 
 
@@ -75,8 +81,8 @@ PEERS = {peer.name: peer for peer in (
 )}
 
 
-def result_name(peer: str, run: str) -> str:
-    return f"{peer}-{run}.json"
+def result_name(peer: str, run: str, round_number: int) -> str:
+    return f"{peer}-{run}-{round_number}.json"
 
 
 def sweep(args: argparse.Namespace, cap: int | None) -> list[tuple[str, list[str]]]:
@@ -85,31 +91,37 @@ def sweep(args: argparse.Namespace, cap: int | None) -> list[tuple[str, list[str
         return ["--num-prompts", str(min(n, cap) if cap else n)]
     runs = [(f"c{c}", ["--max-concurrency", str(c), *prompts(max(8, 2 * c))])
             for c in args.concurrency]
-    runs.append((f"rate{args.request_rate:g}",
-                 ["--request-rate", str(args.request_rate), *prompts(args.rate_prompts)]))
+    if args.request_rate > 0:
+        runs.append((rate_run(args),
+                     ["--request-rate", str(args.request_rate), *prompts(args.rate_prompts)]))
     return runs
 
 
-def run_peer(peer: Peer, args: argparse.Namespace, gguf: Path, cap: int | None) -> None:
+def rate_run(args: argparse.Namespace) -> str:
+    return f"rate{args.request_rate:g}"
+
+
+def run_peer(peer: Peer, args: argparse.Namespace, gguf: Path, cap: int | None,
+             peer_dir: Path, round_number: int) -> None:
     common = ["--backend", "openai", "--endpoint", "/v1/completions", "--tokenizer", str(gguf),
               "--dataset-name", "random", "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len), "--ignore-eos",
               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     port = free_port()
-    with serving(peer.argv(port, gguf), port, PEER_DIR / f"{peer.name}.server.log",
+    with serving(peer.argv(port, gguf), port, peer_dir / f"{peer.name}.server.log",
                  peer.ready_path) as url:
         for label, flags in sweep(args, cap):
-            print(f"[{peer.name}] {label}: {' '.join(flags)}", flush=True)
-            bench(url, PEER_DIR, result_name(peer.name, label), [*common, *flags])
+            print(f"[{peer.name}] round {round_number} {label}: {' '.join(flags)}", flush=True)
+            bench(url, peer_dir, result_name(peer.name, label, round_number), [*common, *flags])
 
 
-def run_decode_steps(batch_sizes: str) -> None:
+def run_decode_steps(batch_sizes: str, peer_dir: Path, round_number: int) -> None:
     """pagellm's batched decode alone (offline, no server): the roofline's decode figures."""
     argv = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput",
             "--input-len", "128", "--output-len", "8", "--batch-sizes", batch_sizes,
             "--decode-steps", "10"]
     print(f"[pagellm] decode steps at batch {batch_sizes}", flush=True)
-    with open(PEER_DIR / DECODE_LOG, "w") as log:
+    with open(peer_dir / decode_log_name(round_number), "w") as log:
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True)
 
 
@@ -136,6 +148,10 @@ def parse_args() -> argparse.Namespace:
                              "e.g. naive=16: the naive server serves one request at a time")
     parser.add_argument("--decode-batch-sizes", default="64,256",
                         help="batch sizes of pagellm's decode-step roofline run")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every peer's sweep N times, in rounds; report medians")
+    parser.add_argument("--name", default="peers",
+                        help="results/NAME.md, results/NAME/ and results/NAME_*.png")
     parser.add_argument("--report-only", action="store_true",
                         help="skip the runs; rebuild peers.md and the plots from saved JSON")
     return parser.parse_args()
@@ -144,22 +160,20 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     caps = parse_caps(args.max_prompts)
-    PEER_DIR.mkdir(parents=True, exist_ok=True)
+    peer_dir = RESULTS / args.name
+    peer_dir.mkdir(parents=True, exist_ok=True)
     gguf = default_model_path()
-    skipped: dict[str, str] = {}
-    if not args.report_only:
-        save_peak(PEER_DIR)
-    for name in [] if args.report_only else args.peers:
-        reason = PEERS[name].missing()
-        if reason:
-            print(f"[{name}] skipped: {reason}", flush=True)
-            skipped[name] = reason
-            continue
-        run_peer(PEERS[name], args, gguf, caps.get(name))
-        if name == "pagellm":
-            run_decode_steps(args.decode_batch_sizes)
-    write_report(PEER_DIR, args.peers, args.concurrency, f"rate{args.request_rate:g}",
-                 skipped, caps)
+    skipped = {name: reason for name in args.peers if (reason := PEERS[name].missing())}
+    for name, reason in skipped.items():
+        print(f"[{name}] skipped: {reason}", flush=True)
+    for round_number in [] if args.report_only else range(1, args.repeat + 1):
+        save_peak(peer_dir, round_number)
+        for name in (name for name in args.peers if name not in skipped):
+            run_peer(PEERS[name], args, gguf, caps.get(name), peer_dir, round_number)
+            if name == "pagellm":
+                run_decode_steps(args.decode_batch_sizes, peer_dir, round_number)
+    runs = [f"c{c}" for c in args.concurrency] + ([rate_run(args)] if args.request_rate > 0 else [])
+    write_report(peer_dir, args.peers, args.concurrency, runs, skipped, caps)
 
 
 if __name__ == "__main__":

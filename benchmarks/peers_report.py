@@ -1,5 +1,6 @@
-"""benchmarks/results/peers.md and the PNG plots from the peer sweep's result JSON
-(written by benchmarks/peers.py), with the machine and a roofline line."""
+"""benchmarks/results/NAME.md and the PNG plots from the peer sweep's result JSON
+(written by benchmarks/peers.py into results/NAME/), with the machine and a roofline.
+Each figure is the median over the rounds a run was repeated in."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,15 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "(same tokenizer, same seed), `--ignore-eos` (llama-cpp-python's server ignores "
          "that field, so its outputs may stop early at EOS; tok/s counts real tokens). "
          "Runs `cN`: `--max-concurrency N`; the rate run: Poisson arrivals, no cap on "
-         "concurrency. One server at a time on this machine, whose speed varies by about 10% "
-         "from one run to the next (shared host): compare peers within one run.")
-DECODE_LOG = "pagellm-decode-steps.log"
+         "concurrency. One server at a time on this machine. The host is shared, so its speed "
+         "drifts: by about 10% between runs, and single-stream ITL by up to 2x. Compare peers "
+         "within one report; `rounds` > 1 means the sweep ran that many times in turn "
+         "(`--repeat`) and each figure is the median over the rounds.")
+DECODE_LOG_PREFIX = "pagellm-decode-steps-"
 DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s")
-PLOTS = (("output_throughput", "output tok/s", "peers_output_throughput.png"),
-         ("p99_ttft_ms", "TTFT p99 (ms)", "peers_ttft_p99.png"),
-         ("p99_itl_ms", "ITL p99 (ms)", "peers_itl_p99.png"))
+PLOTS = (("output_throughput", "output tok/s", "output_throughput"),
+         ("p99_ttft_ms", "TTFT p99 (ms)", "ttft_p99"),
+         ("p99_itl_ms", "ITL p99 (ms)", "itl_p99"))
 
 
 def version(package: str) -> str:
@@ -74,17 +78,27 @@ def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def decode_log_name(round_number: int) -> str:
+    return f"{DECODE_LOG_PREFIX}{round_number}.log"
+
+
 def load(peer_dir: Path, peer: str, run: str) -> dict[str, Any] | None:
-    path = peer_dir / f"{peer}-{run}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """One run's result: each column's median over its rounds, failures summed."""
+    rounds = [json.loads(path.read_text()) for path in sorted(peer_dir.glob(f"{peer}-{run}-*.json"))]
+    if not rounds:
+        return None
+    combined = {key: statistics.median(r.get(key, float("nan")) for r in rounds)
+                for _, key in COLUMNS}
+    return {**combined, "num_prompts": rounds[0]["num_prompts"], "rounds": len(rounds),
+            "failed": sum(r["failed"] for r in rounds)}
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-    head = ["peer", "run", "prompts", *(label for label, _ in COLUMNS), "failed"]
+    head = ["peer", "run", "rounds", "prompts", *(label for label, _ in COLUMNS), "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for peer, runs in results.items():
         for run, result in runs.items():
-            cells = [peer, run, str(result["num_prompts"]),
+            cells = [peer, run, str(result["rounds"]), str(result["num_prompts"]),
                      *(f"{result.get(key, float('nan')):.1f}" for _, key in COLUMNS),
                      str(result["failed"])]
             lines.append("| " + " | ".join(cells) + " |")
@@ -92,9 +106,12 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
-         out_dir: Path) -> list[str]:
+         out_dir: Path, name: str) -> list[str]:
     """One PNG per metric against concurrency (log-2 axis); their file names."""
-    for key, label, filename in PLOTS:
+    filenames = []
+    for key, label, suffix in PLOTS:
+        filename = f"{name}_{suffix}.png"
+        filenames.append(filename)
         fig, ax = plt.subplots(figsize=(6, 4))
         for peer, runs in results.items():
             points = [(c, runs[f"c{c}"][key]) for c in concurrency if f"c{c}" in runs]
@@ -108,29 +125,33 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
         fig.tight_layout()
         fig.savefig(out_dir / filename, dpi=120)
         plt.close(fig)
-    return [filename for _, _, filename in PLOTS]
+    return filenames
 
 
-def save_peak(peer_dir: Path) -> None:
-    """Measure the matmul roof on the idle machine, before any server runs, for the report."""
-    (peer_dir / "matmul_peak.json").write_text(json.dumps({"gflops": matmul_peak_gflops()}))
+def save_peak(peer_dir: Path, round_number: int) -> None:
+    """Measure the matmul roof on the idle machine, before the round's servers, for the report."""
+    (peer_dir / f"matmul_peak-{round_number}.json").write_text(
+        json.dumps({"gflops": matmul_peak_gflops()}))
 
 
 def decode_steps(peer_dir: Path) -> list[tuple[int, float, float]]:
-    """(batch, ms per step, output tok/s) from `pagellm bench throughput --decode-steps`."""
-    path = peer_dir / DECODE_LOG
-    if not path.is_file():
-        return []
-    return [(int(m[1]), float(m[2]), float(m[3])) for m in DECODE_LINE.finditer(path.read_text())]
+    """(batch, ms per step, output tok/s) from `pagellm bench throughput --decode-steps`,
+    the median step over the rounds."""
+    steps: dict[int, list[float]] = {}
+    for path in sorted(peer_dir.glob(f"{DECODE_LOG_PREFIX}*.log")):
+        for match in DECODE_LINE.finditer(path.read_text()):
+            steps.setdefault(int(match[1]), []).append(float(match[2]))
+    return [(batch, statistics.median(ms), batch * 1000 / statistics.median(ms))
+            for batch, ms in sorted(steps.items())]
 
 
 def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top: int) -> list[str]:
-    peak_file = peer_dir / "matmul_peak.json"
-    peak = (json.loads(peak_file.read_text())["gflops"] if peak_file.is_file()
-            else matmul_peak_gflops())
+    peaks = [json.loads(path.read_text())["gflops"]
+             for path in peer_dir.glob("matmul_peak-*.json")]
+    peak = max(peaks) if peaks else matmul_peak_gflops()
     dtype = str(engine_dtype()).removeprefix("torch.")
     lines = [f"Roofline: {dtype} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best "
-             "of 5, pagellm's dtype on this CPU); "
+             "of 5 in each round, pagellm's dtype on this CPU); "
              f"achieved = 2 x {PARAMETERS / 1e6:.1f}M params x output tok/s.", ""]
     run = results.get("pagellm", {}).get(f"c{top}")
     if run is not None:
@@ -148,20 +169,19 @@ def _roof_line(label: str, tokens_per_second: float, peak: float) -> str:
             f"{100 * achieved / peak:.1f}% of peak")
 
 
-def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], rate_run: str,
+def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs: list[str],
                  skipped: dict[str, str], caps: dict[str, int]) -> None:
-    """Collect the saved runs, print and write peers.md, draw the plots."""
-    runs = [f"c{c}" for c in concurrency] + [rate_run]
+    """Collect the saved runs, print and write NAME.md beside NAME/, draw the plots."""
     results = {peer: {run: r for run in runs if (r := load(peer_dir, peer, run))}
                for peer in peers}
     results = {peer: found for peer, found in results.items() if found}
     roof = roofline(peer_dir, results, max(concurrency))
-    pngs = plot(results, concurrency, peer_dir.parent)
+    pngs = plot(results, concurrency, peer_dir.parent, peer_dir.name)
     notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
     notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
     lines = ["# Serving peers side by side", "",
              INTRO,
              "", f"Machine: {machine()}", "", *notes, "", *table(results), "", *roof, "",
              *(f"![{png}]({png})" for png in pngs), ""]
-    (peer_dir.parent / "peers.md").write_text("\n".join(lines))
+    (peer_dir.parent / f"{peer_dir.name}.md").write_text("\n".join(lines))
     print("\n".join(table(results)), *roof, sep="\n")
