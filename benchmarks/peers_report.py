@@ -84,7 +84,8 @@ def decode_log_name(round_number: int) -> str:
 
 def load(peer_dir: Path, peer: str, run: str) -> dict[str, Any] | None:
     """One run's result: each column's median over its rounds, failures summed."""
-    rounds = [json.loads(path.read_text()) for path in sorted(peer_dir.glob(f"{peer}-{run}-*.json"))]
+    paths = sorted(peer_dir.glob(f"{peer}-{run}-*.json"))
+    rounds = [json.loads(path.read_text()) for path in paths]
     if not rounds:
         return None
     combined = {key: statistics.median(r.get(key, float("nan")) for r in rounds)

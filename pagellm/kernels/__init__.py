@@ -28,8 +28,8 @@ _HEADERS = [_HERE / "vectorizable.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
-# exp's clamp in every softmax and SiLU loop; it changes no rounding. Instruction sets: those of the kernels torch itself
-# dispatches to on this CPU.
+# exp's clamp in every softmax and SiLU loop; it changes no rounding. Instruction sets:
+# those of the kernels torch itself dispatches to on this CPU.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],

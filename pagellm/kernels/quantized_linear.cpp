@@ -50,12 +50,13 @@ inline void widen_group(const uint8_t* codes, f32x8 w[4]) {
   if constexpr (kBits == 4) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i mask = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const __m256 offset = _mm256_set1_ps(8.f);
-    w[0] = (f32x8)_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), offset);
-    w[1] = (f32x8)_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), offset);
-    w[2] = (f32x8)_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), offset);
-    w[3] = (f32x8)_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), offset);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    const __m128i quarters[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int q = 0; q < 4; ++q) {
+      const __m256 codes_q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(quarters[q]));
+      w[q] = (f32x8)_mm256_sub_ps(codes_q, _mm256_set1_ps(8.f));
+    }
   } else {
     for (int q = 0; q < 4; ++q) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * q));
@@ -146,7 +147,8 @@ void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* co
       output_features_rows<kBits>(rows, codes, scales, zeros, x.data() + r0 * k,
                                   x_sums.data() + r0 * groups, k, begin, end, part.data());
       for (int r = 0; r < rows; ++r) {
-        for (int64_t j = begin; j < end; ++j) store(y + (r0 + r) * n, j, part[r * (end - begin) + j - begin]);
+        const float* values = part.data() + r * (end - begin);
+        for (int64_t j = begin; j < end; ++j) store(y + (r0 + r) * n, j, values[j - begin]);
       }
     }
   });
@@ -163,10 +165,11 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
   TORCH_CHECK(k % kGroup == 0 && codes.is_contiguous() && codes.size(0) == n &&
                   codes.size(1) * 8 == k * bits && codes.element_size() == 1,
               "quantized_linear: codes must be [N, K * bits / 8] bytes with K a multiple of 32");
+  const bool zeros_fit = zeros.numel() == 0 || (zeros.scalar_type() == at::kFloat &&
+                                                 zeros.is_contiguous() &&
+                                                 zeros.numel() == scales.numel());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == n * (k / kGroup) &&
-                  (zeros.numel() == 0 || (zeros.scalar_type() == at::kFloat &&
-                                          zeros.is_contiguous() && zeros.numel() == scales.numel())),
+                  scales.numel() == n * (k / kGroup) && zeros_fit,
               "quantized_linear: scales (and zeros) must be float32 [N, K / 32]");
   const auto* code_ptr = static_cast<const uint8_t*>(codes.const_data_ptr());
   const float* zero_ptr = zeros.numel() ? zeros.const_data_ptr<float>() : nullptr;

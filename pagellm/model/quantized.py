@@ -91,8 +91,8 @@ class Linear(nn.Linear):
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
-        self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(),
-                                          None if weight.zeros is None else weight.zeros.contiguous(),
+        zeros = None if weight.zeros is None else weight.zeros.contiguous()
+        self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
                                           weight.bits)
         self.quantized_max_tokens = max_tokens
 
