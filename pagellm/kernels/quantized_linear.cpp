@@ -1,8 +1,11 @@
-// y = x @ W^T for steps of a few tokens, W kept as a GGUF file stores it: per group of 32
-// weights along the input, w = (code - offset) * scale + zero. Such a step reads every
-// weight once for a handful of rows, so it is bound by memory traffic: 4-bit codes are an
-// eighth of float32's bytes, 8-bit codes a quarter. The codes are widened to float32 in
-// registers and multiplied there, so the only rounding is float32's.
+// y = x @ W^T with W kept as a GGUF file stores it: per group of 32 weights along the
+// input, w = (code - offset) * scale + zero. The codes are widened to float32 and
+// multiplied there, so the only rounding is float32's. Two paths:
+// - a few rows (a decode step of a few requests): bound by memory traffic, where 4-bit
+//   codes are an eighth of float32's bytes and 8-bit codes a quarter. Each pass over the
+//   weights widens them in registers for up to 4 rows.
+// - more rows: bound by compute. Panels of 16 output features are widened once into a
+//   buffer in cache and multiplied with the rows in register tiles, as a dense matmul is.
 //
 // 4-bit codes: [N, K / 2] bytes, byte j of group g holding element 32g + j in its low
 // nibble and 32g + 16 + j in its high nibble (the GGUF order); offset 8.
@@ -12,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,6 +44,16 @@ inline V load_bytes(const void* p) {
 }
 
 inline f32x8 load_f32x8(const float* p) { return load_bytes<f32x8>(p); }
+
+// *p in every lane, loaded straight into the vector (adding it to a zero vector instead
+// costs an add and a shuffle on the FMA units' ports).
+inline f32x8 broadcast_f32x8(const float* p) {
+#ifdef __AVX2__
+  return (f32x8)_mm256_broadcast_ss(p);
+#else
+  return f32x8{} + *p;
+#endif
+}
 
 // The 32 weights of one group minus the offset, as four vectors of 8 in element order.
 // AVX2 widens bytes with vpmovzx/vpmovsx; written as plain vector code, GCC turns the
@@ -131,27 +145,167 @@ void output_features_rows(int rows, const uint8_t* codes, const float* scales, c
   }
 }
 
-template <typename T, int kBits>
-void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-         const float* scales, const float* zeros) {
-  const int64_t groups = k / kGroup;
-  std::vector<float> x(m * k), x_sums(m * groups, 0.f);
-  for (int64_t i = 0; i < m * k; ++i) {
-    x[i] = load(x_in, i);
-    x_sums[i / kGroup] += x[i];
+// Many rows: a panel of 16 output features is widened once, laid out input-major (the
+// 16 features of one input side by side), and blocks of rows are multiplied with it in
+// 6 x 16 register tiles: per input, two panel loads and six broadcasts feed twelve FMAs.
+constexpr int kPanel = 16;             // output features per panel: two vectors
+constexpr int kTileRows = 6;           // activation rows per register tile
+constexpr int64_t kBlockRows = 192;    // rows multiplied with a panel per widening of it
+constexpr int64_t kMinPanelRows = 16;  // below this, widening on every pass costs less
+
+// Transpose 8 vectors in place: v[i][j] becomes v[j][i].
+inline void transpose8(f32x8 v[8]) {
+#ifdef __AVX2__
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps((__m256)v[i], (__m256)v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps((__m256)v[i], (__m256)v[i + 1]);
   }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    v[i + 4] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+#else
+  for (int i = 0; i < 8; ++i) {
+    for (int j = i + 1; j < 8; ++j) std::swap(v[i][j], v[j][i]);
+  }
+#endif
+}
+
+// panel[i * kPanel + f] = weight[n0 + f][i] for the panel's features (0 past the last).
+template <int kBits>
+void widen_panel(const uint8_t* codes, const float* scales, const float* zeros, int64_t k,
+                 int64_t n, int64_t n0, float* panel) {
+  const int64_t groups = k / kGroup, row_bytes = k * kBits / 8, code_bytes = kGroup * kBits / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int half = 0; half < kPanel; half += 8) {
+      f32x8 w[8][4] = {};
+      for (int f = 0; f < 8 && n0 + half + f < n; ++f) {
+        const int64_t row = n0 + half + f;
+        widen_group<kBits>(codes + row * row_bytes + g * code_bytes, w[f]);
+        const f32x8 scale = f32x8{} + scales[row * groups + g];
+        const f32x8 zero = f32x8{} + (zeros ? zeros[row * groups + g] : 0.f);
+        for (int q = 0; q < 4; ++q) w[f][q] = w[f][q] * scale + zero;
+      }
+      for (int q = 0; q < 4; ++q) {
+        f32x8 block[8];
+        for (int f = 0; f < 8; ++f) block[f] = w[f][q];
+        transpose8(block);
+        for (int i = 0; i < 8; ++i) {
+          std::memcpy(panel + (g * kGroup + 8 * q + i) * kPanel + half, &block[i], 32);
+        }
+      }
+    }
+  }
+}
+
+// out[r * 16 + f] (+)= sum_i x[r * ldx + i] * panel[i * 16 + f] over `length` inputs,
+// for 6 rows and the panel's 16 features. The twelve accumulators are named: held in an
+// array, GCC stores them to memory on every iteration.
+void tile_product(const float* x, int64_t ldx, const float* panel, int64_t length,
+                  bool accumulate, float* out) {
+  f32x8 a00{}, a01{}, a10{}, a11{}, a20{}, a21{}, a30{}, a31{}, a40{}, a41{}, a50{}, a51{};
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx,
+              *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+  for (int64_t i = 0; i < length; ++i) {
+    const f32x8 w0 = load_f32x8(panel + i * kPanel), w1 = load_f32x8(panel + i * kPanel + 8);
+    f32x8 b = broadcast_f32x8(x0 + i);
+    a00 += b * w0, a01 += b * w1;
+    b = broadcast_f32x8(x1 + i);
+    a10 += b * w0, a11 += b * w1;
+    b = broadcast_f32x8(x2 + i);
+    a20 += b * w0, a21 += b * w1;
+    b = broadcast_f32x8(x3 + i);
+    a30 += b * w0, a31 += b * w1;
+    b = broadcast_f32x8(x4 + i);
+    a40 += b * w0, a41 += b * w1;
+    b = broadcast_f32x8(x5 + i);
+    a50 += b * w0, a51 += b * w1;
+  }
+  const f32x8 sums[kTileRows][2] = {{a00, a01}, {a10, a11}, {a20, a21},
+                                    {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      float* part = out + r * kPanel + 8 * h;
+      const f32x8 total = accumulate ? sums[r][h] + load_f32x8(part) : sums[r][h];
+      std::memcpy(part, &total, sizeof(total));
+    }
+  }
+}
+
+// Inputs per pass of the tiles, so that a tile's slice of the panel (16 KB here) and of
+// its six activation rows stay in L1 together.
+inline int64_t input_chunk(int64_t k) {
+  const int64_t chunks = (k + 255) / 256;
+  return (k / kGroup + chunks - 1) / chunks * kGroup;
+}
+
+template <typename T, int kBits>
+void run_panels(T* y, const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                const float* scales, const float* zeros) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, chunk = input_chunk(k);
+  const int64_t block_rows = std::min(kBlockRows, (m + kTileRows - 1) / kTileRows * kTileRows);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanel * k), rows(block_rows * k), out(block_rows * kPanel);
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      // The block's rows, zero-padded to whole tiles.
+      const int64_t block = std::min(block_rows, m - m0);
+      const int64_t tiles = (block + kTileRows - 1) / kTileRows;
+      std::copy(x + m0 * k, x + (m0 + block) * k, rows.begin());
+      std::fill(rows.begin() + block * k, rows.begin() + tiles * kTileRows * k, 0.f);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
+        widen_panel<kBits>(codes, scales, zeros, k, n, n0, panel.data());
+        for (int64_t i0 = 0; i0 < k; i0 += chunk) {
+          for (int64_t t = 0; t < tiles; ++t) {
+            tile_product(rows.data() + t * kTileRows * k + i0, k, panel.data() + i0 * kPanel,
+                         std::min(chunk, k - i0), i0 > 0, out.data() + t * kTileRows * kPanel);
+          }
+        }
+        for (int64_t r = 0; r < block; ++r) {
+          for (int64_t f = 0; f < width; ++f) store(y + (m0 + r) * n, n0 + f, out[r * kPanel + f]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int kBits>
+void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k, int64_t n,
+                const uint8_t* codes, const float* scales, const float* zeros) {
+  const int64_t groups = k / kGroup;
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> part(kMaxRows * (end - begin));
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
-      output_features_rows<kBits>(rows, codes, scales, zeros, x.data() + r0 * k,
-                                  x_sums.data() + r0 * groups, k, begin, end, part.data());
+      output_features_rows<kBits>(rows, codes, scales, zeros, x + r0 * k,
+                                  x_sums + r0 * groups, k, begin, end, part.data());
       for (int r = 0; r < rows; ++r) {
         const float* values = part.data() + r * (end - begin);
         for (int64_t j = begin; j < end; ++j) store(y + (r0 + r) * n, j, values[j - begin]);
       }
     }
   });
+}
+
+template <typename T, int kBits>
+void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+         const float* scales, const float* zeros) {
+  std::vector<float> x(m * k);
+  for (int64_t i = 0; i < m * k; ++i) x[i] = load(x_in, i);
+  if (m >= kMinPanelRows) {
+    run_panels<T, kBits>(y, x.data(), m, k, n, codes, scales, zeros);
+    return;
+  }
+  std::vector<float> x_sums(m * (k / kGroup), 0.f);
+  for (int64_t i = 0; i < m * k; ++i) x_sums[i / kGroup] += x[i];
+  run_passes<T, kBits>(y, x.data(), x_sums.data(), m, k, n, codes, scales, zeros);
 }
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8.

@@ -1,13 +1,13 @@
-"""GGUF-quantized weights for small steps, multiplied as the file stores them.
+"""GGUF-quantized weights, multiplied as the file stores them.
 
 A step of a few tokens reads every weight once for a handful of rows, so it is
 bound by memory traffic: 4-bit codes are an eighth of float32's bytes, 8-bit
-codes a quarter. A large step is bound by compute, where widening codes as it
-multiplies makes the kernel slower than the dense matmul. A layer therefore keeps
-both forms and picks one per step from its number of tokens; where the two cross
-depends on the CPU, so it is measured at start-up (`measure_max_tokens`). The
-quantized form holds the file's exact codes and scales: both compute with the
-same weights.
+codes a quarter. A larger step is bound by compute; there the kernel widens the
+codes in panels and multiplies them as a dense matmul does, which against the
+CPU's tuned dense matmul wins or loses depending on the CPU and the shape. A
+layer therefore keeps both forms and picks one per step from its number of
+tokens, up to a size measured at start-up (`measure_max_tokens`). The quantized
+form holds the file's exact codes and scales: both compute with the same weights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from pagellm.kernels import cpu_kernels_available, quantized_linear
 
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
-CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32)
+CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass
