@@ -43,7 +43,7 @@ def random_weight(bits: int, rows: int, cols: int, with_zeros: bool) -> GroupQua
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False)],
                          ids=["Q4_1", "Q4_0", "Q8_0"])
-# Up to 15 tokens: passes over the weights, 4 rows each (full, partial and both). From 16:
+# Up to 11 tokens: passes over the weights, 4 rows each (full, partial and both). From 12:
 # panels of 16 features (here 12 full and a partial one), tiles of 6 rows (partial ones
 # included), inputs in chunks (160 + 128), and blocks of 192 rows (two for 200 tokens).
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9, 16, 23, 200])

@@ -151,7 +151,7 @@ void output_features_rows(int rows, const uint8_t* codes, const float* scales, c
 constexpr int kPanel = 16;             // output features per panel: two vectors
 constexpr int kTileRows = 6;           // activation rows per register tile
 constexpr int64_t kBlockRows = 192;    // rows multiplied with a panel per widening of it
-constexpr int64_t kMinPanelRows = 16;  // below this, widening on every pass costs less
+constexpr int64_t kMinPanelRows = 12;  // below this, widening on every pass costs less
 
 // Transpose 8 vectors in place: v[i][j] becomes v[j][i].
 inline void transpose8(f32x8 v[8]) {
@@ -179,27 +179,37 @@ inline void transpose8(f32x8 v[8]) {
 }
 
 // panel[i * kPanel + f] = weight[n0 + f][i] for the panel's features (0 past the last).
+// Eight features at a time are widened row by row into `rows` (sequential reads of each
+// feature's codes), then transposed eight inputs at a time into the panel.
 template <int kBits>
 void widen_panel(const uint8_t* codes, const float* scales, const float* zeros, int64_t k,
-                 int64_t n, int64_t n0, float* panel) {
+                 int64_t n, int64_t n0, float* rows, float* panel) {
   const int64_t groups = k / kGroup, row_bytes = k * kBits / 8, code_bytes = kGroup * kBits / 8;
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int half = 0; half < kPanel; half += 8) {
-      f32x8 w[8][4] = {};
-      for (int f = 0; f < 8 && n0 + half + f < n; ++f) {
-        const int64_t row = n0 + half + f;
-        widen_group<kBits>(codes + row * row_bytes + g * code_bytes, w[f]);
+  for (int half = 0; half < kPanel; half += 8) {
+    for (int f = 0; f < 8; ++f) {
+      const int64_t row = n0 + half + f;
+      float* out = rows + f * k;
+      if (row >= n) {
+        std::fill(out, out + k, 0.f);
+        continue;
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        f32x8 w[4];
+        widen_group<kBits>(codes + row * row_bytes + g * code_bytes, w);
         const f32x8 scale = f32x8{} + scales[row * groups + g];
         const f32x8 zero = f32x8{} + (zeros ? zeros[row * groups + g] : 0.f);
-        for (int q = 0; q < 4; ++q) w[f][q] = w[f][q] * scale + zero;
-      }
-      for (int q = 0; q < 4; ++q) {
-        f32x8 block[8];
-        for (int f = 0; f < 8; ++f) block[f] = w[f][q];
-        transpose8(block);
-        for (int i = 0; i < 8; ++i) {
-          std::memcpy(panel + (g * kGroup + 8 * q + i) * kPanel + half, &block[i], 32);
+        for (int q = 0; q < 4; ++q) {
+          const f32x8 weights = w[q] * scale + zero;
+          std::memcpy(out + g * kGroup + 8 * q, &weights, sizeof(weights));
         }
+      }
+    }
+    for (int64_t i = 0; i < k; i += 8) {
+      f32x8 block[8];
+      for (int f = 0; f < 8; ++f) block[f] = load_f32x8(rows + f * k + i);
+      transpose8(block);
+      for (int j = 0; j < 8; ++j) {
+        std::memcpy(panel + (i + j) * kPanel + half, &block[j], sizeof(block[j]));
       }
     }
   }
@@ -252,7 +262,8 @@ void run_panels(T* y, const float* x, int64_t m, int64_t k, int64_t n, const uin
   const int64_t panels = (n + kPanel - 1) / kPanel, chunk = input_chunk(k);
   const int64_t block_rows = std::min(kBlockRows, (m + kTileRows - 1) / kTileRows * kTileRows);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(kPanel * k), rows(block_rows * k), out(block_rows * kPanel);
+    std::vector<float> panel(kPanel * k), widened(8 * k), rows(block_rows * k);
+    std::vector<float> out(block_rows * kPanel);
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
       // The block's rows, zero-padded to whole tiles.
       const int64_t block = std::min(block_rows, m - m0);
@@ -261,7 +272,7 @@ void run_panels(T* y, const float* x, int64_t m, int64_t k, int64_t n, const uin
       std::fill(rows.begin() + block * k, rows.begin() + tiles * kTileRows * k, 0.f);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        widen_panel<kBits>(codes, scales, zeros, k, n, n0, panel.data());
+        widen_panel<kBits>(codes, scales, zeros, k, n, n0, widened.data(), panel.data());
         for (int64_t i0 = 0; i0 < k; i0 += chunk) {
           for (int64_t t = 0; t < tiles; ++t) {
             tile_product(rows.data() + t * kTileRows * k + i0, k, panel.data() + i0 * kPanel,
