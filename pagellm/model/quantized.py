@@ -119,7 +119,9 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
     """Set each layer's `quantized_max_tokens` to the largest step size (of
     CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, or
     0. Layers of one shape are timed together, in one pass over all of them, so that the
-    weights come from memory as they do in a model step. Returns the sizes by shape."""
+    weights come from memory as they do in a model step. Every candidate is timed: near
+    parity a noisy loss at one size must not decide the larger ones. Returns the sizes by
+    shape."""
     shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
     for layer in layers:
         assert layer.quantized is not None
@@ -131,9 +133,8 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
             x = torch.randn(tokens, in_features).to(dtype)
             quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in group])
             dense = _best_seconds(lambda: [F.linear(x, layer.weight) for layer in group])
-            if quantized >= dense:
-                break
-            best = tokens
+            if quantized < dense:
+                best = tokens
         for layer in group:
             layer.quantized_max_tokens = best
         chosen[f"{in_features}x{out_features} Q{bits}"] = best
