@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers_report import decode_log_name, save_peak, write_report
+from peers_report import PAGELLM_ARGS_FILE, decode_log_name, save_peak, write_report
 from serve_compare import RESULTS, bench, free_port, serving
 
 from pagellm.model.loader import default_model_path
@@ -108,18 +109,20 @@ def run_peer(peer: Peer, args: argparse.Namespace, gguf: Path, cap: int | None,
               "--random-output-len", str(args.output_len), "--ignore-eos",
               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     port = free_port()
-    with serving(peer.argv(port, gguf), port, peer_dir / f"{peer.name}.server.log",
+    extra = shlex.split(args.pagellm_args) if peer.name == "pagellm" else []
+    with serving([*peer.argv(port, gguf), *extra], port, peer_dir / f"{peer.name}.server.log",
                  peer.ready_path) as url:
         for label, flags in sweep(args, cap):
             print(f"[{peer.name}] round {round_number} {label}: {' '.join(flags)}", flush=True)
             bench(url, peer_dir, result_name(peer.name, label, round_number), [*common, *flags])
 
 
-def run_decode_steps(batch_sizes: str, peer_dir: Path, round_number: int) -> None:
+def run_decode_steps(args: argparse.Namespace, peer_dir: Path, round_number: int) -> None:
     """pagellm's batched decode alone (offline, no server): the roofline's decode figures."""
+    batch_sizes = args.decode_batch_sizes
     argv = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput",
             "--input-len", "128", "--output-len", "8", "--batch-sizes", batch_sizes,
-            "--decode-steps", "10"]
+            "--decode-steps", "10", *shlex.split(args.pagellm_args)]
     print(f"[pagellm] decode steps at batch {batch_sizes}", flush=True)
     with open(peer_dir / decode_log_name(round_number), "w") as log:
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -148,6 +151,9 @@ def parse_args() -> argparse.Namespace:
                              "e.g. naive=16: the naive server serves one request at a time")
     parser.add_argument("--decode-batch-sizes", default="64,256",
                         help="batch sizes of pagellm's decode-step roofline run")
+    parser.add_argument("--pagellm-args", default="",
+                        help="engine flags for pagellm's server and decode run, e.g. "
+                             "'--kv-cache-dtype bfloat16' (named in the report)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run every peer's sweep N times, in rounds; report medians")
     parser.add_argument("--name", default="peers",
@@ -166,12 +172,14 @@ def main() -> None:
     skipped = {name: reason for name in args.peers if (reason := PEERS[name].missing())}
     for name, reason in skipped.items():
         print(f"[{name}] skipped: {reason}", flush=True)
+    if not args.report_only:
+        (peer_dir / PAGELLM_ARGS_FILE).write_text(args.pagellm_args)
     for round_number in [] if args.report_only else range(1, args.repeat + 1):
         save_peak(peer_dir, round_number)
         for name in (name for name in args.peers if name not in skipped):
             run_peer(PEERS[name], args, gguf, caps.get(name), peer_dir, round_number)
             if name == "pagellm":
-                run_decode_steps(args.decode_batch_sizes, peer_dir, round_number)
+                run_decode_steps(args, peer_dir, round_number)
     runs = [f"c{c}" for c in args.concurrency] + ([rate_run(args)] if args.request_rate > 0 else [])
     write_report(peer_dir, args.peers, args.concurrency, runs, skipped, caps)
 

@@ -36,6 +36,7 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "within one report; `rounds` > 1 means the sweep ran that many times in turn "
          "(`--repeat`) and each figure is the median over the rounds.")
 DECODE_LOG_PREFIX = "pagellm-decode-steps-"
+PAGELLM_ARGS_FILE = "pagellm-args.txt"  # the --pagellm-args of the last run
 DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s")
 PLOTS = (("output_throughput", "output tok/s", "output_throughput"),
          ("p99_ttft_ms", "TTFT p99 (ms)", "ttft_p99"),
@@ -180,6 +181,9 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs:
     pngs = plot(results, concurrency, peer_dir.parent, peer_dir.name)
     notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
     notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
+    pagellm_args = peer_dir / PAGELLM_ARGS_FILE
+    if pagellm_args.exists() and pagellm_args.read_text().strip():
+        notes.append(f"- `pagellm` started with `{pagellm_args.read_text().strip()}`")
     lines = ["# Serving peers side by side", "",
              INTRO,
              "", f"Machine: {machine()}", "", *notes, "", *table(results), "", *roof, "",

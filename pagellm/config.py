@@ -30,6 +30,7 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
+    cache_dtype: str = "auto"  # the KV cache's dtype; auto: the model's
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None

@@ -29,3 +29,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}.")
     return _DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto` stores keys and values in the model's dtype, as vLLM does. A narrower one
+    (bfloat16 under a float32 model) halves the cache's bytes: twice the tokens fit, and
+    decode attention, bound by reading them, gets faster; keys and values are rounded once
+    when stored, and attention still computes in float32."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported yet; choose "
+                         f"auto, bfloat16, float16 or float32.")
+    if kv_cache_dtype not in _DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, "
+                         f"{', '.join(_DTYPES)}.")
+    return _DTYPES[kv_cache_dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

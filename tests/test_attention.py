@@ -93,3 +93,32 @@ def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_hea
     # With bf16 scores and probabilities this misses by 0.066; float32 math by 0.004 (the
     # rounding of the bf16 output).
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_queries_over_a_narrower_cache_match_its_rounded_keys(decode_path, cache_dtype):
+    """A float32 model with a bf16/fp16 KV cache: this step's keys and values are rounded
+    once as they are stored, and attention reads every key as that rounded value, in
+    float32, on both the decode kernel and the prefill path."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, length = 9, 3, 64, 21
+    kv_cache = torch.zeros(2, kv_heads, 16, BLOCK, dim, dtype=cache_dtype)
+    table = [9, 4, 12, 1, 7, 3]
+    keys, values = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+    rounded_keys, rounded_values = keys.to(cache_dtype).float(), values.to(cache_dtype).float()
+    query = torch.randn(length, heads, dim)
+    # the prompt but its last token as one chunked-prefill step, then one decode step
+    steps = [(range(0, length - 1), [length - 1], 0), (range(length - 1, length), [1], length - 1)]
+    for positions, query_lens, cached in steps:
+        index = torch.tensor(list(positions))
+        metadata = build_attention_metadata(query_lens, [positions.stop], [table], slots[index],
+                                            BLOCK, torch.device("cpu"))
+        out = paged_attention(query[index], keys[index], values[index], kv_cache, metadata,
+                              dim ** -0.5)
+        expected = reference_attention(query[index], rounded_keys[:positions.stop],
+                                       rounded_values[:positions.stop], cached)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    block, offset = divmod(int(slots[-1]), BLOCK)
+    assert torch.equal(kv_cache[0, :, block, offset], keys[-1].to(cache_dtype))

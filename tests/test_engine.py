@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.arg_utils import EngineArgs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -176,3 +177,28 @@ def test_prefix_caching_gives_the_same_tokens(tiny_llama_dir: Path, llama: LLM):
     assert token_ids(llama.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert kv.prefix_hits - hits_before >= 6 * (len(system) // 16) * 16
     assert_all_blocks_free(llama)
+
+
+def test_a_bf16_kv_cache_under_float32_holds_twice_the_blocks(tiny_llama_dir: Path, llama: LLM):
+    """Same budget, half the bytes per block; the first token's distribution (its logits
+    read the prompt's keys, rounded to bf16) stays within bf16's rounding of float32's."""
+    narrow = make_llm(tiny_llama_dir, max_model_len=256, kv_cache_dtype="bfloat16")
+    wide_blocks = llama.engine.core.num_blocks
+    assert narrow.engine.core.num_blocks in (2 * wide_blocks, 2 * wide_blocks + 1)
+    assert narrow.engine.core.runner.kv_caches[0].dtype == torch.bfloat16
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    prompts = mixed_prompts(4, seed=12)
+    for wide, rounded in zip(llama.generate(prompts, params, use_tqdm=False),
+                             narrow.generate(prompts, params, use_tqdm=False)):
+        wide_top, rounded_top = wide.outputs[0].logprobs[0], rounded.outputs[0].logprobs[0]
+        for token_id in wide_top.keys() & rounded_top.keys():
+            assert rounded_top[token_id].logprob == pytest.approx(wide_top[token_id].logprob,
+                                                                  abs=2e-2)
+        assert len(wide_top.keys() & rounded_top.keys()) >= 3
+    assert_all_blocks_free(narrow)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int4"])
+def test_an_unsupported_kv_cache_dtype_is_rejected_before_loading(name: str):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(kv_cache_dtype=name).cache_config()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+import torch
+
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+from pagellm.platform import resolve_kv_cache_dtype
 
 _GIB = 1 << 30
 
@@ -16,6 +19,9 @@ _HELP = {
     "max_model_len": "context length (prompt + output); default: the model's",
     "seed": "seed of the engine's random generator",
     "block_size": "tokens per KV cache block",
+    "kv_cache_dtype": "auto, bfloat16, float16 or float32: the dtype keys and values are stored "
+                      "in (auto: the model's); bfloat16 under a float32 model halves the cache's "
+                      "memory and speeds up decode attention on CPU",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "kv_cache_memory": "KV cache budget in bytes on CPU (also VLLM_CPU_KVCACHE_SPACE in GiB); "
                        "default 4 GiB",
@@ -49,6 +55,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -77,10 +84,11 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}.")
-        return CacheConfig(block_size=self.block_size,
+        return CacheConfig(block_size=self.block_size, cache_dtype=self.kv_cache_dtype,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            kv_cache_memory=self.kv_cache_memory,
                            num_gpu_blocks_override=self.num_gpu_blocks_override,

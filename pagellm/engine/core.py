@@ -18,7 +18,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.logger import init_logger
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.platform import resolve_dtype
+from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.request import Request, RequestStatus
 from pagellm.worker.model_runner import ModelRunner
 
@@ -42,8 +42,12 @@ class EngineCore:
                                                    self.loaded.arch.max_position_embeddings)
         scheduler_config.max_model_len = self.max_model_len
         self.cache_config = cache_config
+        kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        if kv_cache_dtype != self.dtype:
+            logger.info("KV cache dtype: %s (the model computes in %s)",
+                        dtype_name(kv_cache_dtype), dtype_name(self.dtype))
         self.runner = ModelRunner(self.loaded.model, self.loaded.arch, cache_config.block_size,
-                                  device, self.dtype, model_config.seed)
+                                  device, self.dtype, model_config.seed, kv_cache_dtype)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         self.runner.allocate_kv_cache(self.num_blocks)
         offload = self._make_offload_pool()

@@ -3,7 +3,7 @@
 // One query token per request attends to the keys of its own request, read in
 // place from the cache blocks its block table names: no gathered copy of K/V,
 // and scores, softmax and the weighted sum of values in float32 whatever the
-// cache dtype. Work items are (request, kv head) pairs spread over the
+// query and cache dtypes (the cache may be narrower than the model's dtype). Work items are (request, kv head) pairs spread over the
 // intra-op thread pool; each handles the query heads that share its kv head.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -88,12 +88,13 @@ constexpr int64_t kMaxDotGroup = 8;
 // widening both first, in half the instructions. Returns false where it does not apply
 // (other dtypes or head sizes, more than kMaxDotGroup query heads per kv head, CPUs
 // without the instruction), leaving the scores to the generic path.
-template <typename T, int64_t kDim>
-bool score_with_dot_instruction(float* scores, const T* query, const T* keys,
+template <typename T, typename C, int64_t kDim>
+bool score_with_dot_instruction(float* scores, const T* query, const C* keys,
                                 const int64_t* table, int64_t seq_len, int64_t group,
                                 int64_t block_size, float scale) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && kDim > 0 && kDim % 32 == 0) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
+                kDim > 0 && kDim % 32 == 0) {
     if (group > kMaxDotGroup) return false;
     constexpr int64_t kChunks = kDim / 32;  // 32 bf16 values per 512-bit register
     __m512bh heads[kMaxDotGroup][kChunks];
@@ -120,14 +121,14 @@ bool score_with_dot_instruction(float* scores, const T* query, const T* keys,
 // the head size at compile time (fully unrolled row loops); 0 reads it from the shape.
 // Scores: each key row is widened to float32 once for every query head. Values: one
 // head at a time, so that its weighted sum stays in registers across the tokens.
-template <typename T, int64_t kDim>
-void attend_one(T* out, const T* query, const T* keys, const T* values, const int64_t* table,
+template <typename T, typename C, int64_t kDim>
+void attend_one(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
                 int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
   scratch.resize(group * d + group * seq_len);
   float* q = scratch.data();
   float* scores = q + group * d;
-  if (!score_with_dot_instruction<T, kDim>(scores, query, keys, table, seq_len, group,
+  if (!score_with_dot_instruction<T, C, kDim>(scores, query, keys, table, seq_len, group,
                                            s.block_size, scale)) {
     alignas(64) float row[kMaxHeadDim];
     for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
@@ -142,7 +143,7 @@ void attend_one(T* out, const T* query, const T* keys, const T* values, const in
     std::fill(sum, sum + d, 0.f);
     const float* weights = scores + g * seq_len;
     for_each_token(table, seq_len, s.block_size, values, d, [&](int64_t t, int64_t slot) {
-      const T* value = values + slot * d;
+      const C* value = values + slot * d;
       const float weight = weights[t];
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) sum[i] += weight * load(value, i);
@@ -151,14 +152,14 @@ void attend_one(T* out, const T* query, const T* keys, const T* values, const in
   }
 }
 
-template <typename T, int64_t kDim>
+template <typename T, typename C, int64_t kDim>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
          float scale) {
   const int64_t num_requests = query.size(0), group = s.num_heads / s.num_kv_heads;
   const int64_t layer_stride = s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim;
   const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
-  const T* cache = kv_cache.const_data_ptr<T>();
+  const C* cache = kv_cache.const_data_ptr<C>();
   const T* q = query.const_data_ptr<T>();
   T* o = out.mutable_data_ptr<T>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
@@ -168,25 +169,25 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t offset = (n * s.num_heads + h * group) * s.head_dim;
-      attend_one<T, kDim>(o + offset, q + offset, cache + h * head_stride,
+      attend_one<T, C, kDim>(o + offset, q + offset, cache + h * head_stride,
                  cache + layer_stride + h * head_stride, tables + n * s.max_blocks, lens[n], s,
                  scale, scratch);
     }
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
                   float scale) {
   switch (s.head_dim) {
-    case 64: run<T, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
-    case 128: run<T, 128>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
-    default: run<T, 0>(out, query, kv_cache, block_tables, seq_lens, s, scale);
+    case 64: run<T, C, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
+    case 128: run<T, C, 128>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
+    default: run<T, C, 0>(out, query, kv_cache, block_tables, seq_lens, s, scale);
   }
 }
 
-// out, query: [N, H, D]; kv_cache: [2, KVH, num_blocks, block_size, D];
+// out, query: [N, H, D] of one dtype; kv_cache: [2, KVH, num_blocks, block_size, D] of any;
 // block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (keys visible to each query).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -196,17 +197,19 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "paged_decode_attention expects contiguous tensors");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
               "paged_decode_attention: unexpected ranks");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "paged_decode_attention: query, cache and output dtypes differ");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query and output dtypes differ");
   const Shape s{query.size(1),   kv_cache.size(1), query.size(2),
                 kv_cache.size(2), kv_cache.size(3), block_tables.size(1)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
               "paged_decode_attention: head shapes do not match");
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
   const float f = static_cast<float>(scale);
-  pagellm::dispatch_dtype(query, "paged_decode_attention", [&](auto tag) {
-    dispatch_dim<decltype(tag)>(out, query, kv_cache, block_tables, seq_lens, s, f);
+  pagellm::dispatch_dtype(query, "paged_decode_attention", [&](auto query_tag) {
+    pagellm::dispatch_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
+      dispatch_dim<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables,
+                                                             seq_lens, s, f);
+    });
   });
 }
 

@@ -109,11 +109,12 @@ def _build_group(
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots."""
+    """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots, rounded to the
+    cache's dtype where it is narrower than the model's."""
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
-    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping,
-                                                             value.transpose(0, 1))
+    for half, rows in ((0, key), (1, value)):
+        kv_cache[half].view(num_kv_heads, -1, head_dim).index_copy_(
+            1, slot_mapping, rows.transpose(0, 1).to(kv_cache.dtype))
 
 
 def paged_attention(
@@ -141,7 +142,7 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         return paged_decode_attention(query[group.token_index], kv_cache, group.block_tables,
                                       group.seq_lens, scale)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
-    kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim)  # [2, KVH, B, L, D]
+    kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim).to(query.dtype)  # [2, KVH, B, L, D]
     if max_q == 1:
         return _attend_decode(query[group.token_index], kv, group.mask, scale)
     q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]

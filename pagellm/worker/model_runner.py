@@ -41,12 +41,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, block_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[torch.Tensor] = []
         self.offload_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -59,7 +61,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers: 2 x block_size x kv_heads x head_dim x dtype x layers."""
         arch = self.arch
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return (2 * self.block_size * arch.num_key_value_heads * arch.head_dim * element
                 * arch.num_hidden_layers)
 
@@ -70,7 +72,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly."""
         shape = self._cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.arch.num_hidden_layers)]
 
     def allocate_offload_cache(self, num_blocks: int, path: str | None = None) -> None:
@@ -80,11 +82,11 @@ class ModelRunner:
         layers = self.arch.num_hidden_layers
         if path is not None:
             mapped = torch.from_file(path, shared=True, size=layers * math.prod(shape),
-                                     dtype=self.dtype)
+                                     dtype=self.kv_cache_dtype)
             self.offload_caches = list(mapped.view(layers, *shape).unbind(0))
             return
         pinned = self.device.type == "cuda"
-        self.offload_caches = [torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+        self.offload_caches = [torch.empty(shape, dtype=self.kv_cache_dtype, pin_memory=pinned)
                                for _ in range(layers)]
 
     def _copy_blocks(self, pairs: list[tuple[int, int]], sources: list[torch.Tensor],
