@@ -24,8 +24,9 @@ figure's median over the rounds; `--name` keeps such a run's files apart from th
 
     python benchmarks/peers.py --max-prompts naive=16
     python benchmarks/peers.py --report-only        # redo peers.md and the plots
-    python benchmarks/peers.py --name peers-targets --repeat 3 --concurrency 1 64 \
-        --request-rate 0 --max-prompts naive=16 --max-prompts llamacpp=32
+    python benchmarks/peers.py --name peers-targets-kv-bf16 --repeat 3 --concurrency 1 64 \
+        --request-rate 0 --max-prompts naive=16 --max-prompts llamacpp=32 \
+        --pagellm-args "--kv-cache-dtype bfloat16"
 """
 
 from __future__ import annotations
