@@ -257,7 +257,7 @@ inline int64_t input_chunk(int64_t k) {
 }
 
 template <typename T, int kBits>
-void run_panels(T* y, const float* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+void run_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                 const float* scales, const float* zeros) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunk = input_chunk(k);
   const int64_t block_rows = std::min(kBlockRows, (m + kTileRows - 1) / kTileRows * kTileRows);
@@ -265,10 +265,10 @@ void run_panels(T* y, const float* x, int64_t m, int64_t k, int64_t n, const uin
     std::vector<float> panel(kPanel * k), widened(8 * k), rows(block_rows * k);
     std::vector<float> out(block_rows * kPanel);
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-      // The block's rows, zero-padded to whole tiles.
+      // The block's rows in float32, zero-padded to whole tiles.
       const int64_t block = std::min(block_rows, m - m0);
       const int64_t tiles = (block + kTileRows - 1) / kTileRows;
-      std::copy(x + m0 * k, x + (m0 + block) * k, rows.begin());
+      for (int64_t i = 0; i < block * k; ++i) rows[i] = load(x, m0 * k + i);
       std::fill(rows.begin() + block * k, rows.begin() + tiles * kTileRows * k, 0.f);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
@@ -308,12 +308,12 @@ void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k,
 template <typename T, int kBits>
 void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
          const float* scales, const float* zeros) {
-  std::vector<float> x(m * k);
-  for (int64_t i = 0; i < m * k; ++i) x[i] = load(x_in, i);
   if (m >= kMinPanelRows) {
-    run_panels<T, kBits>(y, x.data(), m, k, n, codes, scales, zeros);
+    run_panels<T, kBits>(y, x_in, m, k, n, codes, scales, zeros);
     return;
   }
+  std::vector<float> x(m * k);
+  for (int64_t i = 0; i < m * k; ++i) x[i] = load(x_in, i);
   std::vector<float> x_sums(m * (k / kGroup), 0.f);
   for (int64_t i = 0; i < m * k; ++i) x_sums[i / kGroup] += x[i];
   run_passes<T, kBits>(y, x.data(), x_sums.data(), m, k, n, codes, scales, zeros);
