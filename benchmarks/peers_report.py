@@ -181,9 +181,10 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs:
     pngs = plot(results, concurrency, peer_dir.parent, peer_dir.name)
     notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
     notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
-    pagellm_args = peer_dir / PAGELLM_ARGS_FILE
-    if pagellm_args.exists() and pagellm_args.read_text().strip():
-        notes.append(f"- `pagellm` started with `{pagellm_args.read_text().strip()}`")
+    args_file = peer_dir / PAGELLM_ARGS_FILE
+    pagellm_args = args_file.read_text().strip() if args_file.exists() else ""
+    if pagellm_args:
+        notes.append(f"- `pagellm` started with `{pagellm_args}`")
     lines = ["# Serving peers side by side", "",
              INTRO,
              "", f"Machine: {machine()}", "", *notes, "", *table(results), "", *roof, "",
