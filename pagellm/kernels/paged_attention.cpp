@@ -3,8 +3,9 @@
 // One query token per request attends to the keys of its own request, read in
 // place from the cache blocks its block table names: no gathered copy of K/V,
 // and scores, softmax and the weighted sum of values in float32 whatever the
-// query and cache dtypes (the cache may be narrower than the model's dtype). Work items are (request, kv head) pairs spread over the
-// intra-op thread pool; each handles the query heads that share its kv head.
+// query and cache dtypes (the cache may be narrower than the model's dtype).
+// Work items are (request, kv head) pairs spread over the intra-op thread
+// pool; each handles the query heads that share its kv head.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -170,8 +171,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t offset = (n * s.num_heads + h * group) * s.head_dim;
       attend_one<T, C, kDim>(o + offset, q + offset, cache + h * head_stride,
-                 cache + layer_stride + h * head_stride, tables + n * s.max_blocks, lens[n], s,
-                 scale, scratch);
+                             cache + layer_stride + h * head_stride, tables + n * s.max_blocks,
+                             lens[n], s, scale, scratch);
     }
   });
 }
