@@ -25,6 +25,8 @@ class ModelConfig:
     served_model_name: str | None = None
     # steps up to this size multiply a GGUF's quantized matrices as stored; None: measured
     gguf_quantized_max_tokens: int | None = None
+    # multiply 4-bit codes with activations rounded to int8 (as llama.cpp does) in large steps
+    gguf_int8_activations: bool = True
 
 
 @dataclass

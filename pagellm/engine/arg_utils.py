@@ -44,6 +44,10 @@ _HELP = {
                                  "Q4_0/Q4_1/Q8_0 matrices as stored (pagellm's CPU kernel; "
                                  "keeps the codes beside the dequantized weights); default: "
                                  "measured at start-up; 0: always the dequantized weights",
+    "gguf_int8_activations": "in steps of 12 tokens or more, multiply a GGUF's 4-bit codes "
+                             "with the activations rounded to int8 per 32 inputs, as llama.cpp "
+                             "does (twice float32's speed on AVX2); --no-gguf-int8-activations: "
+                             "float32, the exact dequantized model",
 }
 
 
@@ -70,6 +74,7 @@ class EngineArgs:
     kv_transfer_config: str | None = None
     preemption_mode: str = "auto"
     gguf_quantized_max_tokens: int | None = None
+    gguf_int8_activations: bool = True
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -79,7 +84,8 @@ class EngineArgs:
                            max_model_len=self.max_model_len, seed=self.seed,
                            chat_template=self.chat_template,
                            served_model_name=self.served_model_name,
-                           gguf_quantized_max_tokens=self.gguf_quantized_max_tokens)
+                           gguf_quantized_max_tokens=self.gguf_quantized_max_tokens,
+                           gguf_int8_activations=self.gguf_int8_activations)
 
     def cache_config(self) -> CacheConfig:
         if self.block_size < 1:

@@ -34,7 +34,8 @@ class EngineCore:
         self.dtype = resolve_dtype(model_config.dtype, device)
         self.loaded: LoadedModel = load_model(model_config.model, self.dtype, device,
                                               model_config.tokenizer,
-                                              model_config.gguf_quantized_max_tokens)
+                                              model_config.gguf_quantized_max_tokens,
+                                              model_config.gguf_int8_activations)
         weights_bytes = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
         logger.info("Model loading took %.4f GiB and %.6f seconds",
                     weights_bytes / _GIB, time.perf_counter() - start)

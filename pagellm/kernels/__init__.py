@@ -23,8 +23,8 @@ logger = init_logger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
-                                      "quantized_linear.cpp")]
-_HEADERS = [_HERE / "vectorizable.h"]
+                                      "quantized_linear.cpp", "quantized_linear_int8.cpp")]
+_HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
@@ -121,11 +121,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     zeros: torch.Tensor | None, bits: int, out_features: int) -> torch.Tensor:
-    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N]."""
+                     zeros: torch.Tensor | None, bits: int, out_features: int,
+                     int8: bool = False) -> torch.Tensor:
+    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N].
+    `int8`: steps of many rows multiply 4-bit codes with x rounded to int8 per 32 inputs."""
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     empty = scales.new_empty(0)
     torch.ops.pagellm.quantized_linear(out, x, codes, scales, empty if zeros is None else zeros,
-                                       bits)
+                                       bits, int8)
     return out

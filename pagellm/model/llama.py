@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(params, loaded)
 
     def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
-                                 max_tokens: int) -> list[Linear]:
+                                 max_tokens: int, int8_activations: bool = False) -> list[Linear]:
         """Give projections their quantized form for steps of at most `max_tokens` tokens. A
         fused projection gets one only if every shard has one; a tied output projection gets
         the embeddings'. Returns the layers that did."""
@@ -162,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(layer, Linear) or set(parts) != set(_shards_of(name + ".weight")):
                 continue
             layer.attach_quantized(
-                GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)]), max_tokens)
+                GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)]), max_tokens,
+                int8_activations)
             attached.append(layer)
         return attached
 

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (GroupQuantWeight, measure_max_tokens,
+from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, measure_max_tokens,
                                      quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
@@ -72,9 +72,11 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                tokenizer: str | None = None,
-               gguf_quantized_max_tokens: int | None = 0) -> LoadedModel:
+               gguf_quantized_max_tokens: int | None = 0,
+               gguf_int8_activations: bool = False) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
-    quantized matrices as stored; None measures where that stops paying, 0 never does."""
+    quantized matrices as stored; None measures where that stops paying, 0 never does.
+    `gguf_int8_activations`: those steps round activations to int8 for 4-bit matrices."""
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.suffix == ".gguf":
@@ -84,7 +86,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         net.load_weights(gguf_weights(reader, arch))
         if gguf_quantized_max_tokens != 0 and quantized_supported(device):
             attach_quantized(net, gguf_quantized_weights(reader, arch), gguf_quantized_max_tokens,
-                             dtype)
+                             dtype, gguf_int8_activations)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
@@ -100,18 +102,20 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
 
 def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQuantWeight]],
-                     max_tokens: int | None, dtype: torch.dtype) -> None:
-    layers = net.attach_quantized_weights(weights, max_tokens or 0)
+                     max_tokens: int | None, dtype: torch.dtype, int8_activations: bool) -> None:
+    layers = net.attach_quantized_weights(weights, max_tokens or 0, int8_activations)
     if not layers:
         return
     extra = sum(layer.quantized_bytes() for layer in layers) / (1 << 20)
     if max_tokens is None:
         sizes = measure_max_tokens(layers, dtype)
-        how = "measured per shape: " + ", ".join(f"{shape} {n}" for shape, n in sizes.items())
+        how = "measured per shape: " + ", ".join(
+            f"{shape} {'any' if n == ANY_TOKENS else n}" for shape, n in sizes.items())
     else:
         how = f"at most {max_tokens}"
-    logger.info("Steps of few tokens multiply the GGUF's quantized weights of %d projections "
-                "(%.1f MiB more memory); tokens per step %s", len(layers), extra, how)
+    arithmetic = "4-bit ones with int8 activations" if int8_activations else "in float"
+    logger.info("Steps multiply the GGUF's quantized weights of %d projections (%.1f MiB more "
+                "memory; %s); tokens per step %s", len(layers), extra, arithmetic, how)
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -12,6 +12,7 @@ form holds the file's exact codes and scales: both compute with the same weights
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -24,7 +25,13 @@ from torch import nn
 from pagellm.kernels import cpu_kernels_available, quantized_linear
 
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
-CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+# A shape whose quantized path still wins at the largest candidate keeps it at every size:
+# from there on both paths run at their compute peak.
+ANY_TOKENS = sys.maxsize
+# Layers of a shape timed together, times tokens: all of SmolLM2's 30 layers up to 64
+# tokens, fewer beyond, where the weights' place in memory no longer matters.
+MEASURED_LAYER_TOKENS = 2048
 
 
 @dataclass
@@ -86,8 +93,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.quantized: GroupQuantWeight | None = None  # codes in the kernel's layout
         self.quantized_max_tokens = 0
+        self.int8_activations = False  # 4-bit codes times int8-rounded activations (see kernel)
 
-    def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int) -> None:
+    def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
+                         int8_activations: bool = False) -> None:
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
@@ -95,6 +104,7 @@ class Linear(nn.Linear):
         self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
                                           weight.bits)
         self.quantized_max_tokens = max_tokens
+        self.int8_activations = int8_activations
 
     def quantized_bytes(self) -> int:
         q = self.quantized
@@ -106,7 +116,8 @@ class Linear(nn.Linear):
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized
         assert q is not None
-        out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
+        out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features,
+                               self.int8_activations)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +129,7 @@ class Linear(nn.Linear):
 def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
     """Set each layer's `quantized_max_tokens` to the largest step size (of
     CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, or
-    0. Layers of one shape are timed together, in one pass over all of them, so that the
+    0, or ANY_TOKENS past the largest. Layers of one shape are timed together, in one pass over all of them, so that the
     weights come from memory as they do in a model step. Every candidate is timed: near
     parity a noisy loss at one size must not decide the larger ones. Returns the sizes by
     shape."""
@@ -131,10 +142,13 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
         best = 0
         for tokens in CANDIDATE_MAX_TOKENS:
             x = torch.randn(tokens, in_features).to(dtype)
-            quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in group])
-            dense = _best_seconds(lambda: [F.linear(x, layer.weight) for layer in group])
+            timed = group[:max(1, MEASURED_LAYER_TOKENS // tokens)]
+            quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in timed])
+            dense = _best_seconds(lambda: [F.linear(x, layer.weight) for layer in timed])
             if quantized < dense:
                 best = tokens
+        if best == CANDIDATE_MAX_TOKENS[-1]:
+            best = ANY_TOKENS
         for layer in group:
             layer.quantized_max_tokens = best
         chosen[f"{in_features}x{out_features} Q{bits}"] = best

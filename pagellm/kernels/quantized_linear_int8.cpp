@@ -1,0 +1,208 @@
+// Many rows times 4-bit codes in integer arithmetic, as llama.cpp multiplies its quantized
+// matrices. Each row's activations are rounded to int8 per group of 32 inputs (scale d =
+// max |x| / 127); vpmaddubsw multiplies the codes (0..15) with those int8 values and adds
+// pairs of products in int16; each group's integer sum is then scaled in float32:
+//   sum_i w_i x_i ~ sum_i w_i (d q_i) = scale * d * sum_i code_i q_i + (zero - 8 * scale) * d * sum_i q_i.
+// The second sum is of the rounded activations too: with the exact ones, the rounding
+// errors of the first would no longer meet the centered weights (code - 8) and cancel, and
+// the error of a SmolLM2 projection grows 2-4 times. On AVX2 this does twice the
+// multiply-adds per cycle of float32 FMAs; the price is the activations' rounding to 8 bits.
+//
+// A panel of 16 output features is unpacked once into the bytes vpmaddubsw wants: for
+// each 4 consecutive inputs, the 16 features' 4 codes side by side (two vectors). Register
+// tiles of 3 rows x 16 features then keep their sums in int16 for a whole group: a lane
+// adds 16 products of at most 15 * 127, which stays below 2^15.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "quantized_linear.h"
+#include "vectorizable.h"
+
+#ifdef __AVX2__
+
+namespace pagellm::quantized {
+namespace {
+
+constexpr int kInt8TileRows = 3;  // rows per register tile: 6 int16 accumulators
+
+// Activation rows rounded to int8 per group, padded with zero rows to whole tiles.
+struct Int8Rows {
+  std::vector<int8_t> values;  // [rows, K]
+  std::vector<float> scales;   // [rows, K / 32]: d of each group
+  std::vector<float> sums;     // [rows, K / 32]: d times each group's sum of q
+};
+
+template <typename T>
+Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k) {
+  const int64_t groups = k / kGroup;
+  Int8Rows rows{std::vector<int8_t>(padded * k, 0), std::vector<float>(padded * groups, 0.f),
+                std::vector<float>(padded * groups, 0.f)};
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      float values[kGroup], amax = 0.f;
+      for (int i = 0; i < kGroup; ++i) {
+        values[i] = load(x, g * kGroup + i);
+        const float magnitude = std::fabs(values[i]);
+        amax = magnitude > amax ? magnitude : amax;
+      }
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {  // round to nearest through the float mantissa
+        const int32_t rounded =
+            static_cast<int32_t>((values[i] * inverse + 12582912.f) - 12582912.f);
+        rows.values[g * kGroup + i] = static_cast<int8_t>(rounded);
+        sum += rounded;
+      }
+      rows.scales[g] = amax / 127.f;
+      rows.sums[g] = rows.scales[g] * static_cast<float>(sum);
+    }
+  });
+  return rows;
+}
+
+// panel[(g * 8 + j) * 64 + f * 4 + b] = code of feature n0 + f for input 32g + 4j + b, and
+// per group and feature the scale and zero - 8 * scale (features past n: all zero).
+struct Int8Panel {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, zeros;  // [K / 32, 16]
+};
+
+void unpack_panel(const uint8_t* codes, const float* scales, const float* zeros, int64_t k,
+                  int64_t n, int64_t n0, Int8Panel& panel) {
+  const int64_t groups = k / kGroup, row_bytes = k / 2;
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int half = 0; half < kPanel; half += 8) {
+    for (int64_t g = 0; g < groups; ++g) {
+      f32x8 features[8];  // the group's 32 codes of 8 features, as 8 lanes of 4 bytes
+      for (int f = 0; f < 8; ++f) {
+        const int64_t row = n0 + half + f;
+        __m256i all = _mm256_setzero_si256();
+        if (row < n) {
+          const __m128i bytes = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(codes + row * row_bytes + g * kGroup / 2));
+          all = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                                 _mm_and_si128(bytes, mask));
+        }
+        features[f] = (f32x8)all;
+        const float scale = row < n ? scales[row * groups + g] : 0.f;
+        const float zero = row < n && zeros != nullptr ? zeros[row * groups + g] : 0.f;
+        panel.scales[g * kPanel + half + f] = scale;
+        panel.zeros[g * kPanel + half + f] = zero - 8.f * scale;
+      }
+      transpose8(features);  // features[j]: inputs 4j..4j+3 of the 8 features
+      for (int j = 0; j < 8; ++j) {
+        std::memcpy(panel.codes.data() + (g * 8 + j) * 64 + half * 4, &features[j], 32);
+      }
+    }
+  }
+}
+
+// out[16] += the group's integer sums (int16 pairs) scaled by the panel's scale times d,
+// plus the panel's zero times the group's activation sum.
+inline void add_group(__m256i pairs0, __m256i pairs1, float d, float sum, const float* scales,
+                      const float* zeros, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 row_scale = _mm256_set1_ps(d), row_sum = _mm256_set1_ps(sum);
+  const __m256i sums[2] = {_mm256_madd_epi16(pairs0, ones), _mm256_madd_epi16(pairs1, ones)};
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc = _mm256_loadu_ps(out + 8 * h);
+    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * h), row_scale);
+    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[h]), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + 8 * h), row_sum, acc);
+    _mm256_storeu_ps(out + 8 * h, acc);
+  }
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return _mm256_set1_epi32(bytes);
+}
+
+// out[r * 16 + f] += sum over groups [g0, g1) for 3 rows of `rows` from `row0` and the
+// panel's 16 features. The six accumulators are named (held in an array, GCC spills them),
+// and the inner loop is unrolled by 2 only: fully unrolled, GCC regroups the integer adds
+// into a tree over all products kept in memory.
+__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t row0, int64_t k, const Int8Panel& panel,
+               int64_t g0, int64_t g1, float* out) {
+  const int64_t groups = k / kGroup;
+  const int8_t *x0 = rows.values.data() + row0 * k, *x1 = x0 + k, *x2 = x1 + k;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    const uint8_t* codes = panel.codes.data() + g * 8 * 64;
+#pragma GCC unroll 2
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+      const int64_t i = g * kGroup + 4 * j;
+      __m256i b = broadcast4(x0 + i);
+      a00 = _mm256_add_epi16(a00, _mm256_maddubs_epi16(w0, b));
+      a01 = _mm256_add_epi16(a01, _mm256_maddubs_epi16(w1, b));
+      b = broadcast4(x1 + i);
+      a10 = _mm256_add_epi16(a10, _mm256_maddubs_epi16(w0, b));
+      a11 = _mm256_add_epi16(a11, _mm256_maddubs_epi16(w1, b));
+      b = broadcast4(x2 + i);
+      a20 = _mm256_add_epi16(a20, _mm256_maddubs_epi16(w0, b));
+      a21 = _mm256_add_epi16(a21, _mm256_maddubs_epi16(w1, b));
+    }
+    const float* scales = panel.scales.data() + g * kPanel;
+    const float* zeros = panel.zeros.data() + g * kPanel;
+    const int64_t at = row0 * groups + g;
+    add_group(a00, a01, rows.scales[at], rows.sums[at], scales, zeros, out);
+    add_group(a10, a11, rows.scales[at + groups], rows.sums[at + groups], scales, zeros,
+              out + kPanel);
+    add_group(a20, a21, rows.scales[at + 2 * groups], rows.sums[at + 2 * groups], scales, zeros,
+              out + 2 * kPanel);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void run_int8_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+                     const float* scales, const float* zeros) {
+  const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
+  const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+  const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
+  const Int8Rows rows = quantize_rows(x, m, padded, k);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    Int8Panel panel{std::vector<uint8_t>(kPanel * k), std::vector<float>(kPanel * groups),
+                    std::vector<float>(kPanel * groups)};
+    std::vector<float> out(block_rows * kPanel);
+    for (int64_t m0 = 0; m0 < padded; m0 += block_rows) {
+      const int64_t block = std::min(block_rows, padded - m0);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
+        unpack_panel(codes, scales, zeros, k, n, n0, panel);
+        std::fill(out.begin(), out.end(), 0.f);
+        for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+          for (int64_t t = 0; t < block; t += kInt8TileRows) {
+            int8_tile(rows, m0 + t, k, panel, g0, std::min(groups, g0 + chunk),
+                      out.data() + t * kPanel);
+          }
+        }
+        for (int64_t r = 0; r < std::min(block, m - m0); ++r) {
+          for (int64_t f = 0; f < width; ++f) store(y + (m0 + r) * n, n0 + f, out[r * kPanel + f]);
+        }
+      }
+    }
+  });
+}
+
+template void run_int8_panels<float>(float*, const float*, int64_t, int64_t, int64_t,
+                                     const uint8_t*, const float*, const float*);
+template void run_int8_panels<c10::Half>(c10::Half*, const c10::Half*, int64_t, int64_t,
+                                         int64_t, const uint8_t*, const float*, const float*);
+template void run_int8_panels<c10::BFloat16>(c10::BFloat16*, const c10::BFloat16*, int64_t,
+                                             int64_t, int64_t, const uint8_t*, const float*,
+                                             const float*);
+
+}  // namespace pagellm::quantized
+
+#endif  // __AVX2__
