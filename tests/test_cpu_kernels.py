@@ -1,5 +1,6 @@
 """The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation)
-against the torch ops they replace. (The paged decode attention kernel is tested in test_attention.py.)"""
+against the torch ops they replace, and the sampler's noise. (The paged decode attention kernel
+is tested in test_attention.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from pagellm.kernels import cpu_kernels_available, silu_and_mul
 from pagellm.model import layers
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
+from pagellm.sample import noise
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
                                 reason="no C++ compiler: the CPU kernels could not be built")
@@ -87,3 +89,19 @@ def test_silu_and_mul_is_finite_at_extremes() -> None:
     up = torch.full_like(gate, 2.0)
     out = silu_and_mul(torch.cat([gate, up], dim=1))
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+def test_sampling_noise_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused hash-and-subtract kernel gives the torch path's noise (two logs apart) and
+    the same sampled tokens; zero logits expose the noise over the whole range of u."""
+    keys = torch.tensor([0, 1, 0xFFFFFFFF, 0x9E3779B9, 12345], dtype=torch.int64)
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0))
+    for base in (torch.zeros_like(logits), logits):
+        fused = noise.subtract_noise_(base.clone(), keys)
+        with monkeypatch.context() as patch:
+            patch.setattr(noise, "use_cpu_kernels", lambda x: False)
+            reference = noise.subtract_noise_(base.clone(), keys)
+        torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+        assert torch.equal(fused.argmax(dim=-1), reference.argmax(dim=-1))
+    spread = noise.subtract_noise_(torch.zeros(1, 1 << 16), keys[:1])
+    assert spread.min() < -2 and spread.max() > 8  # -log(-log u) for u near 0, and near 1

@@ -23,7 +23,8 @@ logger = init_logger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
-                                      "quantized_linear.cpp", "quantized_linear_int8.cpp")]
+                                      "quantized_linear.cpp", "quantized_linear_int8.cpp",
+                                      "sampling_noise.cpp")]
 _HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
@@ -131,3 +132,8 @@ def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     torch.ops.pagellm.quantized_linear(out, x, codes, scales, empty if zeros is None else zeros,
                                        bits, int8)
     return out
+
+
+def subtract_log_exponential_(logits: torch.Tensor, keys: torch.Tensor) -> None:
+    """logits [R, V] float32 -= log(q), q ~ Exp(1) hashed from each row's key (see noise.py)."""
+    torch.ops.pagellm.subtract_log_exponential(logits, keys)

@@ -80,6 +80,20 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// log(x) for finite x > 0 (relative error below 1e-7): x = 2^e m with m in [sqrt(1/2),
+// sqrt(2)), log m = 2 atanh(t) with t = (m - 1) / (m + 1), |t| < 0.172, by its series.
+inline float log_positive(float x) {
+  const uint32_t bits = float_to_bits(x);
+  float m = bits_to_float((bits & 0x007FFFFFu) | 0x3F800000u);
+  float e = static_cast<float>(static_cast<int32_t>(bits >> 23) - 127);
+  const bool high = m > 1.41421356f;
+  m = high ? m * 0.5f : m;
+  e = high ? e + 1.f : e;
+  const float t = (m - 1.f) / (m + 1.f), t2 = t * t;
+  const float series = ((((t2 * (1.f / 9.f) + 1.f / 7.f) * t2 + 1.f / 5.f) * t2 + 1.f / 3.f) * t2 + 1.f);
+  return e * 0.693147181f + 2.f * t * series;
+}
+
 // Calls fn(T{}) with T the C++ type of x's dtype: float, c10::BFloat16 or c10::Half.
 template <typename Fn>
 void dispatch_dtype(const at::Tensor& x, const char* op, Fn&& fn) {

@@ -62,8 +62,6 @@ class RandomMetadata:
     top_k_max: int  # largest enabled k; 0 when none
     top_p: Tensor | None  # [R, 1]; inf disables
     seeded: SeedMetadata | None
-    unseeded_positions: Tensor | None  # positions inside the random subset
-    num_unseeded: int
 
 
 @dataclass
@@ -169,11 +167,10 @@ def _seed_as_int64(seed: int) -> int:
     return seed - _U64 if seed >= _I64_LIMIT else seed
 
 
-def _seeds(rows: list[SamplingRow], device: torch.device) -> tuple[SeedMetadata | None, list[int]]:
+def _seeds(rows: list[SamplingRow], device: torch.device) -> SeedMetadata | None:
     seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
-    unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
     if not seeded:
-        return None, unseeded
+        return None
 
     def column(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -183,7 +180,7 @@ def _seeds(rows: list[SamplingRow], device: torch.device) -> tuple[SeedMetadata 
         column([rows[j].seed_stream for j in seeded]),
         column([len(rows[j].output_token_ids) for j in seeded]),
     )
-    return SeedMetadata(positions=_index(seeded, len(rows), device), keys=keys), unseeded
+    return SeedMetadata(positions=_index(seeded, len(rows), device), keys=keys)
 
 
 def _random(rows: Sequence[SamplingRow], vocab_size: int,
@@ -192,7 +189,7 @@ def _random(rows: Sequence[SamplingRow], vocab_size: int,
     if not picked:
         return None
     params = [rows[i].params for i in picked]
-    seeded, unseeded = _seeds([rows[i] for i in picked], device)
+    seeded = _seeds([rows[i] for i in picked], device)
     enabled_k = [p.top_k for p in params if 0 < p.top_k < vocab_size]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     return RandomMetadata(
@@ -205,8 +202,6 @@ def _random(rows: Sequence[SamplingRow], vocab_size: int,
         top_p=(_column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device)
                if any(p.top_p < 1.0 for p in params) else None),
         seeded=seeded,
-        unseeded_positions=_index(unseeded, len(picked), device) if seeded and unseeded else None,
-        num_unseeded=len(unseeded),
     )
 
 

@@ -2,16 +2,20 @@
 
 argmax(probs / q) == argmax(logits - log q), so the sampler never needs a softmax.
 
-Seeded rows get counter-based noise: a pure function of (seed, seed_stream,
-step, vocab index), so a row's tokens do not depend on what else is in the
-batch or where the row sits. All hashing is 32-bit arithmetic carried in int64
-tensors; every product stays below 2**63 so nothing overflows on any device.
+The noise is counter-based: a hash of (row key, vocab index). A seeded row's key is
+a pure function of (seed, seed_stream, step), so its tokens do not depend on what
+else is in the batch or where the row sits; other rows draw their key from the
+engine's generator. On CPU one kernel hashes and subtracts in a single pass. The
+torch version carries the 32-bit hashing in int64 tensors; every product stays
+below 2**63 so nothing overflows on any device.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from pagellm.kernels import subtract_log_exponential_, use_cpu_kernels
 
 _MASK32 = 0xFFFFFFFF
 _BIT31 = 1 << 31
@@ -63,8 +67,16 @@ def seeded_log_exponential(keys: Tensor, vocab_size: int) -> Tensor:
     return uniform.add_(0.5).mul_(_UNIFORM_SCALE).log_().neg_().log_()
 
 
-def random_log_exponential(num_rows: int, vocab_size: int, device: torch.device,
-                           generator: torch.Generator | None) -> Tensor:
-    """log Exp(1) noise from `generator`, via q = -log(U); U = 0 gives +inf, which only excludes a token."""
-    uniform = torch.rand(num_rows, vocab_size, device=device, dtype=torch.float32, generator=generator)
-    return uniform.log_().neg_().log_()
+def random_row_keys(num_rows: int, device: torch.device,
+                    generator: torch.Generator | None) -> Tensor:
+    """32-bit noise keys [num_rows] int64 drawn from `generator`, for unseeded rows."""
+    return torch.randint(0, 1 << 32, (num_rows,), dtype=torch.int64, device=device,
+                         generator=generator)
+
+
+def subtract_noise_(logits: Tensor, keys: Tensor) -> Tensor:
+    """logits [rows, vocab] -= log Exp(1) noise from each row's key, in place."""
+    if use_cpu_kernels(logits) and logits.dtype == torch.float32 and logits.is_contiguous():
+        subtract_log_exponential_(logits, keys)
+        return logits
+    return logits.sub_(seeded_log_exponential(keys, logits.shape[1]))

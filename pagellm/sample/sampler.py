@@ -23,7 +23,7 @@ from pagellm.sample.metadata import (
     SparseLogitEdit,
     build_sampling_metadata,
 )
-from pagellm.sample.noise import random_log_exponential, seeded_log_exponential
+from pagellm.sample.noise import random_row_keys, subtract_noise_
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "build_sampling_metadata"]
 
@@ -127,18 +127,16 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_k_max: int, top_
     return logits.masked_fill(logits < thresholds, _NEG_INF)
 
 
-def _log_noise(meta: RandomMetadata, num_rows: int, vocab_size: int, device: torch.device,
-               generator: torch.Generator | None) -> Tensor:
+def _noise_keys(meta: RandomMetadata, num_rows: int, device: torch.device,
+                generator: torch.Generator | None) -> Tensor:
+    """One noise key per random row: a seeded row's own, the others' from `generator`."""
     seeded = meta.seeded
     if seeded is None:
-        return random_log_exponential(num_rows, vocab_size, device, generator)
-    seeded_noise = seeded_log_exponential(seeded.keys, vocab_size)
-    if meta.unseeded_positions is None or seeded.positions is None:
-        return seeded_noise
-    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    noise.index_copy_(0, seeded.positions, seeded_noise)
-    unseeded = random_log_exponential(meta.num_unseeded, vocab_size, device, generator)
-    return noise.index_copy_(0, meta.unseeded_positions, unseeded)
+        return random_row_keys(num_rows, device, generator)
+    if seeded.positions is None:
+        return seeded.keys
+    return random_row_keys(num_rows, device, generator).index_copy_(0, seeded.positions,
+                                                                    seeded.keys)
 
 
 def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generator | None) -> Tensor:
@@ -150,8 +148,8 @@ def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generat
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_k_max, meta.top_p)
     elif meta.top_k is not None:
         logits = apply_top_k(logits, meta.top_k, meta.top_k_max)
-    noise = _log_noise(meta, logits.shape[0], logits.shape[1], logits.device, generator)
-    return logits.sub_(noise).argmax(dim=-1)
+    keys = _noise_keys(meta, logits.shape[0], logits.device, generator)
+    return subtract_noise_(logits, keys).argmax(dim=-1)
 
 
 def compute_logprobs(raw_logits: Tensor, token_ids: Tensor,
