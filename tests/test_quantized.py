@@ -100,6 +100,15 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
         assert (got.float() - x.float() @ weight.dequantize().T).abs().max() > 1e-3
 
 
+def test_8_bit_codes_stay_in_float32_under_int8_activations() -> None:
+    weight = random_weight(8, 40, 64, with_zeros=False)
+    layer = Linear(64, 40, bias=False)
+    layer.attach_quantized(weight, max_tokens=1024, int8_activations=True)
+    assert layer.int8_panels is None
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize().T, atol=1e-4, rtol=1e-5)
+
+
 def test_kernel_codes_pack_two_elements_per_byte_in_gguf_order() -> None:
     codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
     weight = GroupQuantWeight(codes, torch.ones(1, 2), None, 4)

@@ -122,15 +122,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     zeros: torch.Tensor | None, bits: int, out_features: int,
-                     int8: bool = False) -> torch.Tensor:
-    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N].
-    `int8`: steps of many rows multiply 4-bit codes with x rounded to int8 per 32 inputs."""
+                     zeros: torch.Tensor | None, bits: int, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N]."""
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     empty = scales.new_empty(0)
     torch.ops.pagellm.quantized_linear(out, x, codes, scales, empty if zeros is None else zeros,
-                                       bits, int8)
+                                       bits)
+    return out
+
+
+@functools.cache
+def int8_matmul_available() -> bool:
+    """Whether quantized_linear_int8 was compiled: it needs AVX2 (vpmaddubsw)."""
+    return cpu_kernels_available() and hasattr(torch.ops.pagellm, "quantized_linear_int8")
+
+
+def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+                          zeros: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] rounded to int8 per 32 inputs @ W^T, W's 4-bit codes in the kernel's panels
+    (see quantized_linear_int8.cpp) -> [M, N]."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    torch.ops.pagellm.quantized_linear_int8(out, x, panels, scales, zeros)
     return out
 
 

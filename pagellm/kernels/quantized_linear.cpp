@@ -6,8 +6,8 @@
 //   weights widens them in registers for up to 4 rows.
 // - more rows: bound by compute. Panels of 16 output features are widened once into a
 //   buffer in cache and multiplied with the rows in register tiles, as a dense matmul is.
-//   With `int8`, 4-bit codes are multiplied with the rows rounded to int8 instead
-//   (quantized_linear_int8.cpp): twice the throughput, not the exact dequantized model.
+//   (quantized_linear_int8.cpp multiplies 4-bit codes with rows rounded to int8 instead:
+//   twice the throughput, not the exact dequantized model.)
 //
 // 4-bit codes: [N, K / 2] bytes, byte j of group g holding element 32g + j in its low
 // nibble and 32g + 16 + j in its high nibble (the GGUF order); offset 8.
@@ -36,6 +36,17 @@ using pagellm::load;
 using pagellm::store;
 
 constexpr int kMaxRows = 4;  // activation rows sharing one pass over the weights
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+template <typename V>
+inline V load_bytes(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32x8 load_f32x8(const float* p) { return load_bytes<f32x8>(p); }
 
 // *p in every lane, loaded straight into the vector (adding it to a zero vector instead
 // costs an add and a shuffle on the FMA units' ports).
@@ -142,6 +153,31 @@ void output_features_rows(int rows, const uint8_t* codes, const float* scales, c
 // 6 x 16 register tiles: per input, two panel loads and six broadcasts feed twelve FMAs.
 constexpr int kTileRows = 6;           // activation rows per register tile
 constexpr int64_t kMinPanelRows = 12;  // below this, widening on every pass costs less
+
+// Transpose 8 vectors in place: v[i][j] becomes v[j][i].
+inline void transpose8(f32x8 v[8]) {
+#ifdef __AVX2__
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps((__m256)v[i], (__m256)v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps((__m256)v[i], (__m256)v[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    v[i + 4] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+#else
+  for (int i = 0; i < 8; ++i) {
+    for (int j = i + 1; j < 8; ++j) std::swap(v[i][j], v[j][i]);
+  }
+#endif
+}
 
 // panel[i * kPanel + f] = weight[n0 + f][i] for the panel's features (0 past the last).
 // Eight features at a time are widened row by row into `rows` (sequential reads of each
@@ -265,13 +301,7 @@ void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k,
 
 template <typename T, int kBits>
 void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-         const float* scales, const float* zeros, bool int8) {
-  if constexpr (kBits == 4 && kInt8Panels) {
-    if (int8 && m >= kMinPanelRows) {
-      run_int8_panels<T>(y, x_in, m, k, n, codes, scales, zeros);
-      return;
-    }
-  }
+         const float* scales, const float* zeros) {
   if (m >= kMinPanelRows) {
     run_panels<T, kBits>(y, x_in, m, k, n, codes, scales, zeros);
     return;
@@ -283,11 +313,9 @@ void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* co
   run_passes<T, kBits>(y, x.data(), x_sums.data(), m, k, n, codes, scales, zeros);
 }
 
-// y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8; int8: 4-bit codes times
-// int8-rounded rows for panels, where the CPU has AVX2 (ignored elsewhere).
+// y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8.
 void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes,
-                      const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
-                      bool int8) {
+                      const at::Tensor& scales, const at::Tensor& zeros, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
                   y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
@@ -308,7 +336,7 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
     using T = decltype(tag);
     auto kernel = bits == 4 ? run<T, 4> : run<T, 8>;
     kernel(y.mutable_data_ptr<T>(), x.const_data_ptr<T>(), m, k, n, code_ptr,
-           scales.const_data_ptr<float>(), zero_ptr, int8);
+           scales.const_data_ptr<float>(), zero_ptr);
   });
 }
 
@@ -316,7 +344,7 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear(Tensor(a!) y, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
-        "int bits, bool int8) -> ()");
+        "int bits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("quantized_linear", &quantized_linear); }

@@ -9,13 +9,18 @@
 // the error of a SmolLM2 projection grows 2-4 times. On AVX2 this does twice the
 // multiply-adds per cycle of float32 FMAs; the price is the activations' rounding to 8 bits.
 //
-// A panel of 16 output features is unpacked once into the bytes vpmaddubsw wants: for
-// each 4 consecutive inputs, the 16 features' 4 codes side by side (two vectors). Register
-// tiles of 3 rows x 16 features then keep their sums in int16 for a whole group: a lane
-// adds 16 products of at most 15 * 127, which stays below 2^15.
+// The codes come in panels of 16 output features, unpacked at load time into the bytes
+// vpmaddubsw wants (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16
+// features' 4 codes side by side (two vectors). Register tiles of 3 rows x 16 features
+// keep their sums in int16 for a whole group: a lane adds 16 products of at most 15 * 127,
+// which stays below 2^15.
+//
+// panels: [P, K / 32, 8, 16, 4] uint8, panels[p, g, j, f, b] = code of feature 16p + f for
+// input 32g + 4j + b (0 past N); scales, zeros: [P, K / 32, 16] float32, a group's scale and
+// zero - 8 * scale (0 past N).
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -97,42 +102,12 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k) {
   return rows;
 }
 
-// panel[(g * 8 + j) * 64 + f * 4 + b] = code of feature n0 + f for input 32g + 4j + b, and
-// per group and feature the scale and zero - 8 * scale (features past n: all zero).
+// One panel of the prepacked tensors.
 struct Int8Panel {
-  std::vector<uint8_t> codes;
-  std::vector<float> scales, zeros;  // [K / 32, 16]
+  const uint8_t* codes;  // [K / 32, 8, 16, 4]
+  const float* scales;   // [K / 32, 16]
+  const float* zeros;    // [K / 32, 16]
 };
-
-void unpack_panel(const uint8_t* codes, const float* scales, const float* zeros, int64_t k,
-                  int64_t n, int64_t n0, Int8Panel& panel) {
-  const int64_t groups = k / kGroup, row_bytes = k / 2;
-  const __m128i mask = _mm_set1_epi8(15);
-  for (int half = 0; half < kPanel; half += 8) {
-    for (int64_t g = 0; g < groups; ++g) {
-      f32x8 features[8];  // the group's 32 codes of 8 features, as 8 lanes of 4 bytes
-      for (int f = 0; f < 8; ++f) {
-        const int64_t row = n0 + half + f;
-        __m256i all = _mm256_setzero_si256();
-        if (row < n) {
-          const __m128i bytes = _mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(codes + row * row_bytes + g * kGroup / 2));
-          all = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
-                                 _mm_and_si128(bytes, mask));
-        }
-        features[f] = (f32x8)all;
-        const float scale = row < n ? scales[row * groups + g] : 0.f;
-        const float zero = row < n && zeros != nullptr ? zeros[row * groups + g] : 0.f;
-        panel.scales[g * kPanel + half + f] = scale;
-        panel.zeros[g * kPanel + half + f] = zero - 8.f * scale;
-      }
-      transpose8(features);  // features[j]: inputs 4j..4j+3 of the 8 features
-      for (int j = 0; j < 8; ++j) {
-        std::memcpy(panel.codes.data() + (g * 8 + j) * 64 + half * 4, &features[j], 32);
-      }
-    }
-  }
-}
 
 // out[16] += the group's integer sums (int16 pairs) scaled by the panel's scale times d,
 // plus the panel's zero times the group's activation sum.
@@ -168,7 +143,7 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   const int8_t *x0 = rows.values.data() + row0 * k, *x1 = x0 + k, *x2 = x1 + k;
   for (int64_t g = g0; g < g1; ++g) {
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    const uint8_t* codes = panel.codes.data() + g * 8 * 64;
+    const uint8_t* codes = panel.codes + g * 8 * 64;
 #pragma GCC unroll 2
     for (int j = 0; j < 8; ++j) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
@@ -185,8 +160,8 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
       a20 = _mm256_add_epi16(a20, _mm256_maddubs_epi16(w0, b));
       a21 = _mm256_add_epi16(a21, _mm256_maddubs_epi16(w1, b));
     }
-    const float* scales = panel.scales.data() + g * kPanel;
-    const float* zeros = panel.zeros.data() + g * kPanel;
+    const float* scales = panel.scales + g * kPanel;
+    const float* zeros = panel.zeros + g * kPanel;
     const int64_t at = row0 * groups + g;
     add_group(a00, a01, rows.scales[at], rows.sums[at], scales, zeros, out);
     add_group(a10, a11, rows.scales[at + groups], rows.sums[at + groups], scales, zeros,
@@ -196,24 +171,21 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   }
 }
 
-}  // namespace
-
 template <typename T>
-void run_int8_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-                     const float* scales, const float* zeros) {
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* panel_codes,
+         const float* panel_scales, const float* panel_zeros) {
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
   const Int8Rows rows = quantize_rows(x, m, padded, k);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    Int8Panel panel{std::vector<uint8_t>(kPanel * k), std::vector<float>(kPanel * groups),
-                    std::vector<float>(kPanel * groups)};
     std::vector<float> out(block_rows * kPanel);
     for (int64_t m0 = 0; m0 < padded; m0 += block_rows) {
       const int64_t block = std::min(block_rows, padded - m0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        unpack_panel(codes, scales, zeros, k, n, n0, panel);
+        const Int8Panel panel{panel_codes + p * kPanel * k, panel_scales + p * groups * kPanel,
+                              panel_zeros + p * groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
@@ -231,14 +203,41 @@ void run_int8_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const ui
   });
 }
 
-template void run_int8_panels<float>(float*, const float*, int64_t, int64_t, int64_t,
-                                     const uint8_t*, const float*, const float*);
-template void run_int8_panels<c10::Half>(c10::Half*, const c10::Half*, int64_t, int64_t,
-                                         int64_t, const uint8_t*, const float*, const float*);
-template void run_int8_panels<c10::BFloat16>(c10::BFloat16*, const c10::BFloat16*, int64_t,
-                                             int64_t, int64_t, const uint8_t*, const float*,
-                                             const float*);
+// y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see the top.
+void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& panels,
+                           const at::Tensor& scales, const at::Tensor& zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
+                  y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
+              "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() && panels.scalar_type() == at::kByte &&
+                  panels.numel() == count * kPanel * k,
+              "quantized_linear_int8: panels must be uint8 [ceil(N / 16), K / 32, 8, 16, 4]");
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->numel() == count * (k / kGroup) * kPanel,
+                "quantized_linear_int8: scales and zeros must be float32 "
+                "[ceil(N / 16), K / 32, 16]");
+  }
+  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
+    using T = decltype(tag);
+    run<T>(y.mutable_data_ptr<T>(), x.const_data_ptr<T>(), m, k, n,
+           panels.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+           zeros.const_data_ptr<float>());
+  });
+}
 
+}  // namespace
 }  // namespace pagellm::quantized
+
+// Registered only where it is compiled: Python checks for the op (int8_matmul_available).
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("quantized_linear_int8(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
+        "Tensor zeros) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("quantized_linear_int8", &pagellm::quantized::quantized_linear_int8);
+}
 
 #endif  // __AVX2__

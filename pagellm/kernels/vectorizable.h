@@ -90,7 +90,9 @@ inline float log_positive(float x) {
   m = high ? m * 0.5f : m;
   e = high ? e + 1.f : e;
   const float t = (m - 1.f) / (m + 1.f), t2 = t * t;
-  const float series = ((((t2 * (1.f / 9.f) + 1.f / 7.f) * t2 + 1.f / 5.f) * t2 + 1.f / 3.f) * t2 + 1.f);
+  float series = t2 * (1.f / 9.f) + 1.f / 7.f;
+  series = (series * t2 + 1.f / 5.f) * t2 + 1.f / 3.f;
+  series = series * t2 + 1.f;
   return e * 0.693147181f + 2.f * t * series;
 }
 

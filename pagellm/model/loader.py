@@ -113,7 +113,8 @@ def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQu
             f"{shape} {'any' if n == ANY_TOKENS else n}" for shape, n in sizes.items())
     else:
         how = f"at most {max_tokens}"
-    arithmetic = "4-bit ones with int8 activations" if int8_activations else "in float"
+    int8 = any(layer.int8_panels is not None for layer in layers)
+    arithmetic = "4-bit ones with int8 activations" if int8 else "in float"
     logger.info("Steps multiply the GGUF's quantized weights of %d projections (%.1f MiB more "
                 "memory; %s); tokens per step %s", len(layers), extra, arithmetic, how)
 

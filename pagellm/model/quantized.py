@@ -8,6 +8,11 @@ CPU's tuned dense matmul wins or loses depending on the CPU and the shape. A
 layer therefore keeps both forms and picks one per step from its number of
 tokens, up to a size measured at start-up (`measure_max_tokens`). The quantized
 form holds the file's exact codes and scales: both compute with the same weights.
+
+With int8 activations (the engine's default for GGUF files), a large step multiplies
+4-bit codes with its activations rounded to int8 per 32 inputs, as llama.cpp does:
+twice float32's multiply-adds per cycle on AVX2, no longer exactly the dequantized
+model. Those layers also keep their codes unpacked into the int8 kernel's panels.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import cpu_kernels_available, quantized_linear
+from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
+                             quantized_linear_int8)
 
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
+PANEL_SIZE = 16  # output rows per panel of the int8 kernel
+INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
 CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 # A shape whose quantized path still wins at the largest candidate keeps it at every size:
 # from there on both paths run at their compute peak.
@@ -80,6 +88,31 @@ class GroupQuantWeight:
         halves = self.codes.reshape(rows, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
+    def int8_panels(self) -> Int8Panels:
+        """4-bit codes as the int8 kernel reads them (see Int8Panels)."""
+        if self.bits != 4:
+            raise ValueError("only 4-bit codes are multiplied in int8")
+        rows, cols = self.codes.shape
+        panels, groups = -(-rows // PANEL_SIZE), cols // GROUP_SIZE
+        pad = lambda t: F.pad(t, (0, 0, 0, panels * PANEL_SIZE - rows))  # noqa: E731
+        zeros = -8 * self.scales if self.zeros is None else self.zeros - 8 * self.scales
+        by_panel = lambda t: (pad(t).reshape(panels, PANEL_SIZE, groups)  # noqa: E731
+                              .transpose(1, 2).contiguous())
+        codes = pad(self.codes).reshape(panels, PANEL_SIZE, groups, GROUP_SIZE // 4, 4)
+        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(), by_panel(self.scales),
+                          by_panel(zeros))
+
+
+@dataclass
+class Int8Panels:
+    """A 4-bit matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
+    codes[p, g, j, f, b] = code of row 16p + f for input 32g + 4j + b; per group, each
+    row's scale and zero - 8 * scale, so that w = code * scale + (zero - 8 * scale)."""
+
+    codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8
+    scales: torch.Tensor  # [P, in // 32, 16] float32
+    zeros: torch.Tensor  # [P, in // 32, 16] float32
+
 
 def quantized_supported(device: torch.device) -> bool:
     """The kernel is a CPU one; CUDA would need its own."""
@@ -87,16 +120,19 @@ def quantized_supported(device: torch.device) -> bool:
 
 
 class Linear(nn.Linear):
-    """An nn.Linear that may also hold its weight quantized, used for steps of few tokens."""
+    """An nn.Linear that may also hold its weight quantized, used for steps of up to
+    `quantized_max_tokens` tokens."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.quantized: GroupQuantWeight | None = None  # codes in the kernel's layout
         self.quantized_max_tokens = 0
-        self.int8_activations = False  # 4-bit codes times int8-rounded activations (see kernel)
+        # 4-bit codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
+        self.int8_panels: Int8Panels | None = None
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False) -> None:
+        """`int8_activations` applies to 4-bit codes, where the CPU has the int8 kernel."""
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
@@ -104,20 +140,24 @@ class Linear(nn.Linear):
         self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
                                           weight.bits)
         self.quantized_max_tokens = max_tokens
-        self.int8_activations = int8_activations
+        use_int8 = int8_activations and weight.bits == 4 and int8_matmul_available()
+        self.int8_panels = weight.int8_panels() if use_int8 else None
 
     def quantized_bytes(self) -> int:
-        q = self.quantized
-        if q is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (q.codes, q.scales, q.zeros)
-                   if t is not None)
+        q, panels = self.quantized, self.int8_panels
+        tensors = [] if q is None else [q.codes, q.scales, q.zeros]
+        if panels is not None:
+            tensors += [panels.codes, panels.scales, panels.zeros]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.quantized
+        q, panels = self.quantized, self.int8_panels
         assert q is not None
-        out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features,
-                               self.int8_activations)
+        if panels is not None and x.shape[0] >= INT8_MIN_TOKENS:
+            out = quantized_linear_int8(x, panels.codes, panels.scales, panels.zeros,
+                                        self.out_features)
+        else:
+            out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
