@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
-from pagellm.sample.noise import fmix32_, seeded_log_exponential
+from pagellm.sample.noise import fmix32_, hashed_log_exponential
 from pagellm.sample.sampler import apply_min_p, apply_top_k_top_p
 from pagellm.sampling_params import SamplingParams
 
@@ -251,7 +251,7 @@ def test_hash_matches_murmur3_without_int64_overflow() -> None:
 
 def test_seeded_noise_is_positive_and_exponential() -> None:
     keys = torch.tensor([0, 1, 0xFFFFFFFF, 0x12345678], dtype=torch.int64)
-    noise = seeded_log_exponential(keys, 50_000).exp()
+    noise = hashed_log_exponential(keys, 50_000).exp()
     assert bool(torch.isfinite(noise).all()) and bool((noise > 0).all())
     assert noise.mean().item() == pytest.approx(1.0, abs=0.01)
     assert noise.var().item() == pytest.approx(1.0, abs=0.03)

@@ -92,15 +92,18 @@ class GroupQuantWeight:
         """4-bit codes as the int8 kernel reads them (see Int8Panels)."""
         if self.bits != 4:
             raise ValueError("only 4-bit codes are multiplied in int8")
-        rows, cols = self.codes.shape
-        panels, groups = -(-rows // PANEL_SIZE), cols // GROUP_SIZE
-        pad = lambda t: F.pad(t, (0, 0, 0, panels * PANEL_SIZE - rows))  # noqa: E731
         zeros = -8 * self.scales if self.zeros is None else self.zeros - 8 * self.scales
-        by_panel = lambda t: (pad(t).reshape(panels, PANEL_SIZE, groups)  # noqa: E731
-                              .transpose(1, 2).contiguous())
-        codes = pad(self.codes).reshape(panels, PANEL_SIZE, groups, GROUP_SIZE // 4, 4)
-        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(), by_panel(self.scales),
-                          by_panel(zeros))
+        codes = _by_panel(self.codes)  # [P, 16, in]
+        codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 4, 4)
+        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(),
+                          _by_panel(self.scales).transpose(1, 2).contiguous(),
+                          _by_panel(zeros).transpose(1, 2).contiguous())
+
+
+def _by_panel(t: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] -> [ceil(rows / 16), 16, cols], the last panel padded with zero rows."""
+    panels = -(-t.shape[0] // PANEL_SIZE)
+    return F.pad(t, (0, 0, 0, panels * PANEL_SIZE - t.shape[0])).reshape(panels, PANEL_SIZE, -1)
 
 
 @dataclass
@@ -168,11 +171,11 @@ class Linear(nn.Linear):
 
 def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
     """Set each layer's `quantized_max_tokens` to the largest step size (of
-    CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, or
-    0, or ANY_TOKENS past the largest. Layers of one shape are timed together, in one pass over all of them, so that the
-    weights come from memory as they do in a model step. Every candidate is timed: near
-    parity a noisy loss at one size must not decide the larger ones. Returns the sizes by
-    shape."""
+    CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, 0
+    if none, or ANY_TOKENS if the largest. Layers of one shape are timed together, in one
+    pass over them, so that small steps read the weights from memory as a model step does.
+    Every candidate is timed: near parity a noisy loss at one size must not decide the
+    larger ones. Returns the sizes by shape."""
     shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
     for layer in layers:
         assert layer.quantized is not None

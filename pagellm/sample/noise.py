@@ -57,7 +57,7 @@ def seeded_row_keys(seeds: Tensor, streams: Tensor, steps: Tensor) -> Tensor:
     return key
 
 
-def seeded_log_exponential(keys: Tensor, vocab_size: int) -> Tensor:
+def hashed_log_exponential(keys: Tensor, vocab_size: int) -> Tensor:
     """log Exp(1) noise [rows, vocab] from a splitmix-style hash of (row key, vocab index)."""
     weyl = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     weyl = _mul32_(weyl, _GOLDEN, torch.empty_like(weyl))
@@ -79,4 +79,4 @@ def subtract_noise_(logits: Tensor, keys: Tensor) -> Tensor:
     if use_cpu_kernels(logits) and logits.dtype == torch.float32 and logits.is_contiguous():
         subtract_log_exponential_(logits, keys)
         return logits
-    return logits.sub_(seeded_log_exponential(keys, logits.shape[1]))
+    return logits.sub_(hashed_log_exponential(keys, logits.shape[1]))
