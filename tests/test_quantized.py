@@ -14,7 +14,7 @@ from test_models import PagedCache, greedy_decode
 from tiny_models import write_tiny_gguf
 
 import pagellm.model.quantized as quantized_module
-from pagellm.kernels import cpu_kernels_available
+from pagellm.kernels import cpu_kernels_available, int8_matmul_available
 from pagellm.model.arch import ArchConfig, arch_from_gguf
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.llama import LlamaForCausalLM
@@ -22,6 +22,8 @@ from pagellm.model.loader import LoadedModel, load_model
 from pagellm.model.quantized import GroupQuantWeight, Linear, measure_max_tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
+needs_int8 = pytest.mark.skipif(not int8_matmul_available(),
+                                reason="no AVX2: the int8 kernel is not built")
 
 CPU = torch.device("cpu")
 Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
@@ -74,6 +76,7 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
     return (steps * (largest / 127)).reshape(x.shape)
 
 
+@needs_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_zeros", [True, False], ids=["Q4_1", "Q4_0"])
 # From 12 tokens: tiles of 3 rows (13: a partial one), panels of 16 features (12 full and a
@@ -237,6 +240,7 @@ def prefill_logits(loaded: LoadedModel, prompts: list[list[int]],
     return cache.step(loaded.model, list(enumerate(prompts))).float()
 
 
+@needs_int8
 def test_int8_activations_move_logits_far_less_than_the_quantization(
         tiny_model_factory: Callable[[str], Path], tmp_path: Path) -> None:
     """Rounding activations to int8 moves a prefill's logits a small fraction of the way
@@ -258,6 +262,7 @@ def test_int8_activations_move_logits_far_less_than_the_quantization(
     assert 0 < rounding <= 0.25 * quantization
 
 
+@needs_int8
 def test_smollm2_int8_prefill_stays_about_as_close_to_float32_as_bf16(smollm2_gguf: Path) -> None:
     """SmolLM2's prefill logits with int8 activations stay within 4x the bf16 model's
     distance from the float32 dequantized model (measured 2.3x; llama.cpp's own logits for
