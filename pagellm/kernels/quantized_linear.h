@@ -8,7 +8,7 @@ namespace pagellm::quantized {
 
 constexpr int64_t kGroup = 32;        // weights sharing one scale and zero along the input
 constexpr int kPanel = 16;            // output features per panel: two vectors
-constexpr int64_t kBlockRows = 192;   // rows multiplied with a panel per widening of it
+constexpr int64_t kBlockRows = 192;   // rows multiplied with a panel per pass over it
 
 // Inputs per pass of the tiles (a whole number of groups, at most 256), so that a tile's
 // slice of the panel and of its activation rows stay in L1 together.
