@@ -11,9 +11,10 @@
 //
 // The codes come in panels of 16 output features, unpacked at load time into the bytes
 // vpmaddubsw wants (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16
-// features' 4 codes side by side (two vectors). Register tiles of 3 rows x 16 features
+// features' 4 codes side by side (two vectors). Register tiles of 4 rows x 16 features
 // keep their sums in int16 for a whole group: a lane adds 16 products of at most 15 * 127,
-// which stays below 2^15.
+// which stays below 2^15. The rounded activations are stored interleaved by tile (4 inputs
+// of each of the tile's rows in turn), so a tile reads one stream rather than four.
 //
 // panels: [P, K / 32, 8, 16, 4] uint8, panels[p, g, j, f, b] = code of feature 16p + f for
 // input 32g + 4j + b (0 past N); scales, zeros: [P, K / 32, 16] float32, a group's scale and
@@ -24,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -35,13 +37,14 @@
 namespace pagellm::quantized {
 namespace {
 
-constexpr int kInt8TileRows = 3;  // rows per register tile: 6 int16 accumulators
+constexpr int kInt8TileRows = 4;  // rows per register tile: 8 int16 accumulators
 
-// Activation rows rounded to int8 per group, padded with zero rows to whole tiles.
+// Activation rows rounded to int8 per group, padded with zero rows to whole tiles, and
+// interleaved by tile: value i of row 4t + r is at ((t * K + i - i % 4) * 4 + 4r + i % 4).
 struct Int8Rows {
-  std::vector<int8_t> values;  // [rows, K]
-  std::vector<float> scales;   // [rows, K / 32]: d of each group
-  std::vector<float> sums;     // [rows, K / 32]: d times each group's sum of q
+  std::vector<int8_t> values;  // [tiles, K / 4, 4 rows, 4]
+  std::vector<float> scales;   // [tiles, K / 32, 4 rows]: d of each group
+  std::vector<float> sums;     // [tiles, K / 32, 4 rows]: d times each group's sum of q
 };
 
 inline float horizontal_max(__m256 v) {
@@ -57,8 +60,8 @@ inline int32_t horizontal_sum(__m256i v) {
 }
 
 // One group of 32 activations to int8 steps of d = max |x| / 127, rounded to nearest (even);
-// stores the 32 steps and returns their sum.
-inline int32_t quantize_group(const float* x, float& d, int8_t* out) {
+// stores the 32 steps, 4 at a time `stride` bytes apart, and returns their sum.
+inline int32_t quantize_group(const float* x, float& d, int8_t* out, int64_t stride) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], largest = _mm256_setzero_ps();
   for (int q = 0; q < 4; ++q) {
@@ -76,7 +79,9 @@ inline int32_t quantize_group(const float* x, float& d, int8_t* out) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(steps[0], steps[1]),
                                            _mm256_packs_epi32(steps[2], steps[3]));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+  alignas(32) int32_t words[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(words), _mm256_permutevar8x32_epi32(bytes, order));
+  for (int j = 0; j < 8; ++j) std::memcpy(out + j * stride, &words[j], sizeof(int32_t));
   return horizontal_sum(sum);
 }
 
@@ -95,8 +100,11 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k) {
         for (int i = 0; i < kGroup; ++i) values[i] = load(x, g * kGroup + i);
         group = values;
       }
-      const int32_t sum = quantize_group(group, rows.scales[g], rows.values.data() + g * kGroup);
-      rows.sums[g] = rows.scales[g] * static_cast<float>(sum);
+      const int64_t tile = g / groups / kInt8TileRows, r = g / groups % kInt8TileRows;
+      const int64_t at = (tile * groups + g % groups) * kInt8TileRows + r;
+      int8_t* out = rows.values.data() + (tile * k + g % groups * kGroup) * kInt8TileRows + 4 * r;
+      const int32_t sum = quantize_group(group, rows.scales[at], out, 4 * kInt8TileRows);
+      rows.sums[at] = rows.scales[at] * static_cast<float>(sum);
     }
   });
   return rows;
@@ -131,43 +139,46 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(bytes);
 }
 
-// out[r * 16 + f] += sum over groups [g0, g1) for 3 rows of `rows` from `row0` and the
-// panel's 16 features. The six accumulators are named (held in an array, GCC spills them),
-// and the inner loop is unrolled by 2 only: fully unrolled, GCC regroups the integer adds
-// into a tree over all products kept in memory. Inlined: a call per tile and chunk cost
-// about 5%.
-__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t row0,
+// Keeps v in a register here: without this, GCC regroups a tile's integer adds into a tree
+// over products it spills to memory.
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// out[r * 16 + f] += sum over groups [g0, g1) for the rows of tile `tile` and the panel's
+// 16 features. Inlined: a call per tile and chunk cost about 5%.
+__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
                                                      int64_t k, const Int8Panel& panel,
                                                      int64_t g0, int64_t g1, float* out) {
+  constexpr int R = kInt8TileRows;
   const int64_t groups = k / kGroup;
-  const int8_t *x0 = rows.values.data() + row0 * k, *x1 = x0 + k, *x2 = x1 + k;
+  const int8_t* x = rows.values.data() + tile * k * R;
+  const float* scales_of_rows = rows.scales.data() + tile * groups * R;
+  const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   for (int64_t g = g0; g < g1; ++g) {
-    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256i sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     const uint8_t* codes = panel.codes + g * 8 * 64;
-#pragma GCC unroll 2
+    const int8_t* inputs = x + g * kGroup * R;
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
       const __m256i w1 =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-      const int64_t i = g * kGroup + 4 * j;
-      __m256i b = broadcast4(x0 + i);
-      a00 = _mm256_add_epi16(a00, _mm256_maddubs_epi16(w0, b));
-      a01 = _mm256_add_epi16(a01, _mm256_maddubs_epi16(w1, b));
-      b = broadcast4(x1 + i);
-      a10 = _mm256_add_epi16(a10, _mm256_maddubs_epi16(w0, b));
-      a11 = _mm256_add_epi16(a11, _mm256_maddubs_epi16(w1, b));
-      b = broadcast4(x2 + i);
-      a20 = _mm256_add_epi16(a20, _mm256_maddubs_epi16(w0, b));
-      a21 = _mm256_add_epi16(a21, _mm256_maddubs_epi16(w1, b));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = broadcast4(inputs + (j * R + r) * 4);
+        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(w0, b));
+        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(w1, b));
+        keep_in_register(sums[r][0]);
+        keep_in_register(sums[r][1]);
+      }
     }
     const float* scales = panel.scales + g * kPanel;
     const float* zeros = panel.zeros + g * kPanel;
-    const int64_t at = row0 * groups + g;
-    add_group(a00, a01, rows.scales[at], rows.sums[at], scales, zeros, out);
-    add_group(a10, a11, rows.scales[at + groups], rows.sums[at + groups], scales, zeros,
-              out + kPanel);
-    add_group(a20, a21, rows.scales[at + 2 * groups], rows.sums[at + 2 * groups], scales, zeros,
-              out + 2 * kPanel);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      add_group(sums[r][0], sums[r][1], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
+                scales, zeros, out + r * kPanel);
+    }
   }
 }
 
@@ -189,7 +200,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* panel
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile(rows, m0 + t, k, panel, g0, std::min(groups, g0 + chunk),
+            int8_tile(rows, (m0 + t) / kInt8TileRows, k, panel, g0, std::min(groups, g0 + chunk),
                       out.data() + t * kPanel);
           }
         }
