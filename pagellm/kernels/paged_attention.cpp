@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -44,36 +44,25 @@ inline void widen(float* out, const T* row, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = load(row, i);
 }
 
-// Calls visit(position, cache slot) for the first seq_len tokens of a block table,
-// block by block (no division per token). Blocks lie anywhere in the cache, out of
-// reach of the hardware prefetcher: the next block's rows (`row_bytes` each, from
-// `rows`) are requested while this one is visited.
-template <typename T, typename Visit>
-inline void for_each_token(const int64_t* table, int64_t seq_len, int64_t block_size,
-                           const T* rows, int64_t row_size, Visit&& visit) {
+// Calls visit(first position, first cache slot, count) for each block of a block table
+// holding the first seq_len tokens. Blocks lie anywhere in the cache, out of reach of the
+// hardware prefetcher: the next block's keys and values (`row_size` values per token) are
+// requested while this one is visited.
+template <typename C, typename Visit>
+inline void for_each_block(const int64_t* table, int64_t seq_len, int64_t block_size,
+                           const C* keys, const C* values, int64_t row_size, Visit&& visit) {
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t block_bytes = block_size * row_size * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = block_size * row_size * static_cast<int64_t>(sizeof(C));
   for (int64_t b = 0, start = 0; b < num_blocks; ++b, start += block_size) {
     if (b + 1 < num_blocks) {
-      const char* next = reinterpret_cast<const char*>(rows + table[b + 1] * block_size * row_size);
-      for (int64_t offset = 0; offset < block_bytes; offset += 64) __builtin_prefetch(next + offset);
+      const int64_t next = table[b + 1] * block_size * row_size;
+      for (const C* rows : {keys + next, values + next}) {
+        const char* bytes = reinterpret_cast<const char*>(rows);
+        for (int64_t offset = 0; offset < block_bytes; offset += 64) __builtin_prefetch(bytes + offset);
+      }
     }
-    const int64_t base = table[b] * block_size, count = std::min(block_size, seq_len - start);
-    for (int64_t i = 0; i < count; ++i) visit(start + i, base + i);
+    visit(start, table[b] * block_size, std::min(block_size, seq_len - start));
   }
-}
-
-inline void softmax_in_place(float* row, int64_t n) {
-  const float peak = *std::max_element(row, row + n);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
-    row[t] = exp_nonpositive(row[t] - peak);
-    total += row[t];
-  }
-  const float inverse = 1.f / total;
-#pragma omp simd
-  for (int64_t t = 0; t < n; ++t) row[t] *= inverse;
 }
 
 struct Shape {
@@ -84,15 +73,14 @@ constexpr int64_t kMaxHeadDim = 512;
 
 constexpr int64_t kMaxDotGroup = 8;
 
-// Scores of bf16 keys against bf16 queries with AVX512-BF16's dot-product instruction:
-// products of bf16 pairs are exact in float32 and summed there, so the result matches
-// widening both first, in half the instructions. Returns false where it does not apply
-// (other dtypes or head sizes, more than kMaxDotGroup query heads per kv head, CPUs
-// without the instruction), leaving the scores to the generic path.
+// Scores of `count` consecutive bf16 key rows against bf16 queries with AVX512-BF16's
+// dot-product instruction: products of bf16 pairs are exact in float32 and summed there,
+// so the result matches widening both first, in half the instructions. Returns false where
+// it does not apply (other dtypes or head sizes, more than kMaxDotGroup query heads per kv
+// head, CPUs without the instruction), leaving the scores to the generic path.
 template <typename T, typename C, int64_t kDim>
-bool score_with_dot_instruction(float* scores, const T* query, const C* keys,
-                                const int64_t* table, int64_t seq_len, int64_t group,
-                                int64_t block_size, float scale) {
+bool score_with_dot_instruction(float* scores, int64_t stride, const T* query, const C* keys,
+                                int64_t count, int64_t group, float scale) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
                 kDim > 0 && kDim % 32 == 0) {
@@ -102,54 +90,155 @@ bool score_with_dot_instruction(float* scores, const T* query, const C* keys,
     for (int64_t g = 0; g < group; ++g)
       for (int64_t c = 0; c < kChunks; ++c)
         heads[g][c] = (__m512bh)_mm512_loadu_si512(query + g * kDim + c * 32);
-    for_each_token(table, seq_len, block_size, keys, kDim, [&](int64_t t, int64_t slot) {
+    for (int64_t t = 0; t < count; ++t) {
       __m512bh key[kChunks];
       for (int64_t c = 0; c < kChunks; ++c)
-        key[c] = (__m512bh)_mm512_loadu_si512(keys + slot * kDim + c * 32);
+        key[c] = (__m512bh)_mm512_loadu_si512(keys + t * kDim + c * 32);
       for (int64_t g = 0; g < group; ++g) {
         __m512 sum = _mm512_setzero_ps();
         for (int64_t c = 0; c < kChunks; ++c) sum = _mm512_dpbf16_ps(sum, heads[g][c], key[c]);
-        scores[g * seq_len + t] = _mm512_reduce_add_ps(sum) * scale;
+        scores[g * stride + t] = _mm512_reduce_add_ps(sum) * scale;
       }
-    });
+    }
     return true;
   }
 #endif
   return false;
 }
 
-// Attend the query heads [group, head_dim] of one (request, kv head) pair. kDim > 0 fixes
-// the head size at compile time (fully unrolled row loops); 0 reads it from the shape.
-// Scores: each key row is widened to float32 once for every query head. Values: one
-// head at a time, so that its weighted sum stays in registers across the tokens.
+#if defined(__AVX2__)
+// Sum of each of 8 vectors, as one vector: sums[t] = sum of v[t]'s lanes.
+inline __m256 sum_each(const __m256 (&v)[8]) {
+  const __m256 pairs0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 pairs1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(pairs0, pairs1, 0x20),
+                       _mm256_permute2f128_ps(pairs0, pairs1, 0x31));
+}
+#endif
+
+// scores[g * stride + t] = q[g] . keys[t] for float32 rows of kDim values. On AVX2, 8 keys
+// at a time for one head, in 8 independent sums reduced together: a dot product per key
+// would wait on its own chain of adds and on a horizontal sum. Rows past `count` (up to
+// the next multiple of 8) are read but their scores dropped. False where it does not apply.
+template <int64_t kDim>
+bool score_eight_at_a_time(float* scores, int64_t stride, const float* q, const float* keys,
+                           int64_t count, int64_t group) {
+#if defined(__AVX2__)
+  if constexpr (kDim > 0 && kDim % 8 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t t0 = 0; t0 < count; t0 += 8) {
+        __m256 sums[8];
+        for (int t = 0; t < 8; ++t) sums[t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < kDim; c += 8) {
+          const __m256 query = _mm256_loadu_ps(q + g * kDim + c);
+          for (int t = 0; t < 8; ++t) {
+            sums[t] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys + (t0 + t) * kDim + c), sums[t]);
+          }
+        }
+        alignas(32) float eight[8];
+        _mm256_store_ps(eight, sum_each(sums));
+        std::copy(eight, eight + std::min<int64_t>(8, count - t0), scores + g * stride + t0);
+      }
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
+// Running state of one query head's online softmax: the largest score so far, the sum of
+// exp(score - largest), and the values weighted by those exponentials.
+struct Running {
+  float largest, total;
+  float* weighted;  // [head_dim]
+};
+
+// Folds one block's scores (turned into exp(score - largest) in place) into a head's state.
+inline void fold_block_scores(Running& head, float* scores, int64_t count, int64_t d) {
+  const float block_largest = *std::max_element(scores, scores + count);
+  if (block_largest > head.largest) {
+    const float shrink = exp_nonpositive(head.largest - block_largest);  // 0 for the first
+    head.total *= shrink;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) head.weighted[i] *= shrink;
+    head.largest = block_largest;
+  }
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < count; ++t) {
+    scores[t] = exp_nonpositive(scores[t] - head.largest);
+    total += scores[t];
+  }
+  head.total += total;
+}
+
+// sum[0:d] += sum over t of weights[t] * rows[t]. On AVX2 with a compiled head size, 64
+// sums at a time are held in eight registers across the rows: left to GCC, they went
+// through the stack, and each row waited on the previous row's stores.
+template <int64_t kDim>
+inline void add_weighted_rows(float* sum, const float* weights, const float* rows, int64_t count,
+                              int64_t d) {
+#if defined(__AVX2__)
+  if constexpr (kDim > 0 && kDim % 64 == 0) {
+    for (int64_t c = 0; c < kDim; c += 64) {
+      __m256 local[8];
+      for (int i = 0; i < 8; ++i) local[i] = _mm256_loadu_ps(sum + c + 8 * i);
+      for (int64_t t = 0; t < count; ++t) {
+        const __m256 weight = _mm256_broadcast_ss(weights + t);
+        for (int i = 0; i < 8; ++i) {
+          local[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(rows + t * kDim + c + 8 * i), local[i]);
+        }
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(sum + c + 8 * i, local[i]);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < count; ++t) {
+    const float weight = weights[t];
+    const float* row = rows + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) sum[i] += weight * row[i];
+  }
+}
+
+// Attend the query heads [group, head_dim] of one (request, kv head) pair in one pass over
+// its blocks, with an online softmax: each block's keys and values are read once, while
+// they are in cache. kDim > 0 fixes the head size at compile time (fully unrolled row
+// loops); 0 reads it from the shape.
 template <typename T, typename C, int64_t kDim>
 void attend_one(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
                 int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
-  scratch.resize(group * d + group * seq_len);
+  const int64_t bs = s.block_size, padded = (bs + 7) / 8 * 8;
+  scratch.assign(2 * group * d + group * bs + 2 * padded * d, 0.f);
   float* q = scratch.data();
-  float* scores = q + group * d;
-  if (!score_with_dot_instruction<T, C, kDim>(scores, query, keys, table, seq_len, group,
-                                           s.block_size, scale)) {
-    alignas(64) float row[kMaxHeadDim];
-    for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
-    for_each_token(table, seq_len, s.block_size, keys, d, [&](int64_t t, int64_t slot) {
-      widen(row, keys + slot * d, d);
-      for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * d, row, d);
-    });
-  }
-  for (int64_t g = 0; g < group; ++g) softmax_in_place(scores + g * seq_len, seq_len);
+  float* weighted = q + group * d;
+  float* scores = weighted + group * d;          // [group, block_size]
+  float* block_keys = scores + group * bs;       // [padded block_size, d] widened to float32
+  float* block_values = block_keys + padded * d;  // [padded block_size, d]
+  std::vector<Running> heads(group);
+  for (int64_t g = 0; g < group; ++g) heads[g] = {-INFINITY, 0.f, weighted + g * d};
+  for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
+  for_each_block(table, seq_len, bs, keys, values, d, [&](int64_t, int64_t slot, int64_t count) {
+    if (!score_with_dot_instruction<T, C, kDim>(scores, bs, query, keys + slot * d, count, group,
+                                                scale)) {
+      widen(block_keys, keys + slot * d, count * d);
+      if (!score_eight_at_a_time<kDim>(scores, bs, q, block_keys, count, group)) {
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * bs + t] = dot(q + g * d, block_keys + t * d, d);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) fold_block_scores(heads[g], scores + g * bs, count, d);
+    widen(block_values, values + slot * d, count * d);
+    for (int64_t g = 0; g < group; ++g) {
+      add_weighted_rows<kDim>(heads[g].weighted, scores + g * bs, block_values, count, d);
+    }
+  });
   for (int64_t g = 0; g < group; ++g) {
-    alignas(64) float sum[kMaxHeadDim];
-    std::fill(sum, sum + d, 0.f);
-    const float* weights = scores + g * seq_len;
-    for_each_token(table, seq_len, s.block_size, values, d, [&](int64_t t, int64_t slot) {
-      const C* value = values + slot * d;
-      const float weight = weights[t];
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) sum[i] += weight * load(value, i);
-    });
-    for (int64_t i = 0; i < d; ++i) store(out, g * d + i, sum[i]);
+    const float inverse = 1.f / heads[g].total;
+    for (int64_t i = 0; i < d; ++i) store(out, g * d + i, heads[g].weighted[i] * inverse);
   }
 }
 
