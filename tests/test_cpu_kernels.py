@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation)
+"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation, argmax)
 against the torch ops they replace, and the sampler's noise. (The paged decode attention kernel
 is tested in test_attention.py.)"""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import cpu_kernels_available, silu_and_mul
+from pagellm.kernels import argmax_rows, cpu_kernels_available, silu_and_mul
 from pagellm.model import layers
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
 from pagellm.sample import noise
@@ -105,3 +105,18 @@ def test_sampling_noise_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(fused.argmax(dim=-1), reference.argmax(dim=-1))
     spread = noise.subtract_noise_(torch.zeros(1, 1 << 16), keys[:1])
     assert spread.min() < -2 and spread.max() > 8  # -log(-log u) for u near 0, and near 1
+
+
+def test_argmax_rows_matches_torch_on_ties_infinities_and_nan() -> None:
+    """First index of the largest value, as torch answers: ties inside and across the
+    kernel's chunks of 64, rows of -inf, and NaN (which torch ranks above everything)."""
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2))
+    logits[1, [5, 700]] = 50.0  # tie, chunks apart
+    logits[2, [130, 131]] = 50.0  # tie within a chunk
+    logits[3] = float("-inf")
+    logits[4, 999] = float("inf")
+    logits[5, [10, 600]] = float("nan")
+    logits[6, 0] = 50.0  # first index
+    logits[7, 63:66] = 50.0  # tie across a chunk boundary
+    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits).tolist() == [int(logits[0].argmax()), 5, 130, 0, 999, 10, 0, 63]

@@ -24,7 +24,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
-                                      "sampling_noise.cpp")]
+                                      "sampling_noise.cpp", "argmax.cpp")]
 _HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
@@ -145,6 +145,16 @@ def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.T
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.pagellm.quantized_linear_int8(out, x, panels, scales, zeros)
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> [R] int64, as logits.argmax(dim=-1) (first of ties, NaN wins)."""
+    if not (use_cpu_kernels(logits) and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous()):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    torch.ops.pagellm.argmax_rows(out, logits)
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagellm.kernels import argmax_rows
 from pagellm.sample.metadata import (
     LogprobMetadata,
     PenaltyMetadata,
@@ -149,7 +150,7 @@ def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generat
     elif meta.top_k is not None:
         logits = apply_top_k(logits, meta.top_k, meta.top_k_max)
     keys = _noise_keys(meta, logits.shape[0], logits.device, generator)
-    return subtract_noise_(logits, keys).argmax(dim=-1)
+    return argmax_rows(subtract_noise_(logits, keys))
 
 
 def compute_logprobs(raw_logits: Tensor, token_ids: Tensor,
@@ -203,8 +204,8 @@ class Sampler:
                 generator: torch.Generator | None) -> Tensor:
         random = metadata.random
         if random is None:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         if random.rows is None:
             return sample_random(logits, random, generator)
         sampled = sample_random(logits.index_select(0, random.rows), random, generator)
-        return logits.argmax(dim=-1).index_copy(0, random.rows, sampled)
+        return argmax_rows(logits).index_copy(0, random.rows, sampled)
