@@ -54,6 +54,7 @@ def test_mixed_decode_and_chunked_prefill_match_reference(decode_path):
         [new for _, new, _ in requests], [cached + new for cached, new, _ in requests],
         [table for _, _, table in requests], torch.tensor(slots), BLOCK, torch.device("cpu"))
     assert [g.query_index.shape for g in metadata.groups] == [(2, 1), (2, 6)]
+    assert [g.all_tokens_in_order for g in metadata.groups] == [False, False]
     queries = [torch.randn(new, HEADS, DIM) for _, new, _ in requests]
     new_keys = torch.cat([k[c:] for k, (c, _, _) in zip(all_keys, requests)])
     new_values = torch.cat([v[c:] for v, (c, _, _) in zip(all_values, requests)])
@@ -85,6 +86,7 @@ def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_hea
     slots = torch.tensor([t[(length - 1) // BLOCK] * BLOCK + (length - 1) % BLOCK for t in tables])
     metadata = build_attention_metadata([1] * num_reqs, [length] * num_reqs, tables, slots, BLOCK,
                                         torch.device("cpu"))
+    assert metadata.groups[0].all_tokens_in_order  # a decode-only step: no gather, no scatter
     query = (torch.randn(num_reqs, heads, dim) * 5).bfloat16()
     out = paged_attention(query, keys[:, -1], values[:, -1], kv_cache, metadata, dim ** -0.5)
     expected = torch.cat([reference_attention(query[r:r + 1].float(), keys[r].float(),

@@ -37,6 +37,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size] True where a key is visible
     valid_slots: torch.Tensor  # positions in the flattened [B * Q] that are real tokens
     token_index: torch.Tensor  # flat token index of each real slot, same order
+    all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
 
 
 @dataclass
@@ -97,13 +98,15 @@ def _build_group(
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
 
     flat_valid = np.flatnonzero(valid.reshape(-1))
+    token_index = query_index.reshape(-1)[flat_valid]
     return AttentionGroup(
         query_index=torch.from_numpy(query_index).to(device),
         block_tables=torch.from_numpy(table).to(device),
         seq_lens=torch.from_numpy(s_lens).to(device),
         mask=torch.from_numpy(mask[:, None]).to(device),
         valid_slots=torch.from_numpy(flat_valid).to(device),
-        token_index=torch.from_numpy(query_index.reshape(-1)[flat_valid]).to(device),
+        token_index=torch.from_numpy(token_index).to(device),
+        all_tokens_in_order=bool(np.array_equal(token_index, np.arange(sum(query_lens)))),
     )
 
 
@@ -127,6 +130,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> [T, H * D]."""
     write_kv(kv_cache, key, value, metadata.slot_mapping)
+    if len(metadata.groups) == 1 and metadata.groups[0].all_tokens_in_order:
+        return _attend_group(query, kv_cache, metadata.groups[0], scale)
     num_tokens, num_heads, head_dim = query.shape
     out = query.new_empty(num_tokens, num_heads * head_dim)
     for group in metadata.groups:
@@ -139,8 +144,9 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     if max_q == 1 and use_cpu_kernels(kv_cache):
-        return paged_decode_attention(query[group.token_index], kv_cache, group.block_tables,
-                                      group.seq_lens, scale)
+        queries = query if group.all_tokens_in_order else query[group.token_index]
+        return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
+                                      scale)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
     kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim).to(query.dtype)  # [2, KVH, B, L, D]
     if max_q == 1:
