@@ -124,3 +124,22 @@ def test_float32_queries_over_a_narrower_cache_match_its_rounded_keys(decode_pat
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     block, offset = divmod(int(slots[-1]), BLOCK)
     assert torch.equal(kv_cache[0, :, block, offset], keys[-1].to(cache_dtype))
+
+
+def test_prompts_from_position_zero_attend_causally_without_a_mask():
+    """A step of whole prompts (nothing cached) of different lengths: the group carries no
+    mask and SDPA's is_causal gives each prompt's reference attention, padding aside."""
+    torch.manual_seed(5)
+    kv_cache = torch.zeros(2, KV_HEADS, 16, BLOCK, DIM)
+    lengths, tables = [7, 2, 5], [[4, 9], [1], [12, 3]]
+    slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
+                          for length, table in zip(lengths, tables) for p in range(length)])
+    metadata = build_attention_metadata(lengths, lengths, tables, slots, BLOCK, torch.device("cpu"))
+    assert [g.mask for g in metadata.groups] == [None]
+    keys = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    values = [torch.randn(n, KV_HEADS, DIM) for n in lengths]
+    queries = [torch.randn(n, HEADS, DIM) for n in lengths]
+    out = paged_attention(torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache,
+                          metadata, scale=DIM ** -0.5)
+    expected = torch.cat([reference_attention(q, k, v, 0) for q, k, v in zip(queries, keys, values)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
