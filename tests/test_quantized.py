@@ -13,6 +13,7 @@ import torch
 from test_models import PagedCache, greedy_decode
 from tiny_models import write_tiny_gguf
 
+import pagellm.model.gguf_weights as gguf_weights_module
 import pagellm.model.quantized as quantized_module
 from pagellm.kernels import cpu_kernels_available, int8_matmul_available
 from pagellm.model.arch import ArchConfig, arch_from_gguf
@@ -29,6 +30,7 @@ CPU = torch.device("cpu")
 Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                     gguf.GGMLQuantizationType.Q8_0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def random_weight(bits: int, rows: int, cols: int, with_zeros: bool) -> GroupQuantWeight:
@@ -284,3 +286,41 @@ def test_smollm2_int8_prefill_stays_about_as_close_to_float32_as_bf16(smollm2_gg
         errors[label] = (logits - expected).abs().mean().item()
         assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
     assert 0 < errors["int8"] <= 4 * errors["bf16"]
+
+
+@needs_int8
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # output projection: own, tied
+def test_int8_projections_keep_only_their_quantized_weights(
+        tiny_model_factory: Callable[[str], Path], tmp_path: Path, model_type: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the step sizes left to measure, a 4-bit projection under int8 activations never
+    gets float weights (they are not even dequantized), yet computes what it computed with
+    both forms; a tied output projection keeps them, as they are also the embeddings."""
+    folder = tiny_model_factory(model_type)
+    path = str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q4_1, embedding_quantization=Q4_1))
+    both = load_model(path, torch.float32, CPU, tokenizer=str(folder),
+                      gguf_quantized_max_tokens=1024, gguf_int8_activations=True)
+    dequantized: list[str] = []
+    dequantize = gguf_weights_module._dequantized
+    monkeypatch.setattr(gguf_weights_module, "_dequantized",
+                        lambda tensor: dequantized.append(tensor.name) or dequantize(tensor))
+    only = load_model(path, torch.float32, CPU, tokenizer=str(folder),
+                      gguf_quantized_max_tokens=None, gguf_int8_activations=True)
+    tied = model_type == "qwen2"
+    assert only.model.lm_head_is_tied == tied
+    names = [t.name for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"]
+    assert "token_embd.weight" in dequantized and ("output.weight" in names) != tied
+    assert sorted(dequantized) == sorted(n for n in names if n != "output.weight" and not any(
+        f"{projection}.weight" in n for projection in PROJECTION_TENSORS))  # biases are loaded
+    released = [m.dense_released for m in only.model.modules() if isinstance(m, Linear)]
+    assert released == [True] * 4 * only.arch.num_hidden_layers + [not tied]
+    assert only.model.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
+    assert only.model.weight_bytes() < both.model.weight_bytes()
+    prompts = [list(range(3, 30)), list(range(50, 58))]
+    results = {}
+    for label, loaded in (("both", both), ("only", only)):
+        cache = PagedCache(loaded.arch)
+        prefill = cache.step(loaded.model, list(enumerate(prompts)))
+        results[label] = (prefill, greedy_decode(cache, loaded.model, prefill, 8))
+    torch.testing.assert_close(results["only"][0], results["both"][0], atol=1e-6, rtol=0)
+    assert results["only"][1] == results["both"][1]

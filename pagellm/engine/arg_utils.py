@@ -41,8 +41,9 @@ _HELP = {
     "preemption_mode": "auto, swap or recompute: how a preempted request keeps its KV (swap "
                        "needs the second KV tier; auto picks the cheaper per request)",
     "gguf_quantized_max_tokens": "steps of at most this many tokens multiply a GGUF's "
-                                 "Q4_0/Q4_1/Q8_0 matrices as stored (pagellm's CPU kernel; "
-                                 "keeps the codes beside the dequantized weights); default: "
+                                 "Q4_0/Q4_1/Q8_0 matrices as stored (pagellm's CPU kernel), "
+                                 "the dequantized weights above; default: 4-bit ones under "
+                                 "int8 activations at any size (no dequantized copy), others "
                                  "measured at start-up; 0: always the dequantized weights",
     "gguf_int8_activations": "in steps of 12 tokens or more, multiply a GGUF's 4-bit codes "
                              "with the activations rounded to int8 per 32 inputs, as llama.cpp "

@@ -36,7 +36,7 @@ class EngineCore:
                                               model_config.tokenizer,
                                               model_config.gguf_quantized_max_tokens,
                                               model_config.gguf_int8_activations)
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        weights_bytes = self.loaded.model.weight_bytes()
         logger.info("Model loading took %.4f GiB and %.6f seconds",
                     weights_bytes / _GIB, time.perf_counter() - start)
         self.max_model_len = resolve_max_model_len(model_config.max_model_len,
@@ -110,7 +110,7 @@ class EngineCore:
         logger.info("Preemption cost model: %.1f GFLOP/s compute, %.2f GB/s and %.1f us per "
                     "KV transfer", flops / 1e9, bandwidth / 1e9, latency * 1e6)
         return SwapCostModel(
-            num_params=sum(p.numel() for p in self.loaded.model.parameters()),
+            num_params=self.loaded.model.num_weights(),
             attention_width=arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim,
             block_bytes=self.runner.block_bytes(), flops_per_second=flops,
             copy_latency=latency, copy_bytes_per_second=bandwidth)

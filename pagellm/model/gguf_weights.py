@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -35,12 +35,17 @@ _CONFIG_TENSORS = ("rope_freqs.weight",)
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
-def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor to float and yield it under its HF name and shape."""
+def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
+                 wanted: Callable[[str], bool] = lambda name: True
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor whose HF name is `wanted` to float and yield it under that
+    name and its HF shape."""
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name)
+        if not wanted(name):
+            continue
         values = _dequantized(tensor)
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             if ".q_proj." in name:

@@ -126,10 +126,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in, stacking q/k/v and gate/up; every parameter must be set."""
         tied = self.arch.tie_word_embeddings
         params = {name: param for name, param in self.named_parameters()
-                  if not (tied and name == "lm_head.weight")}
+                  if not (tied and name == "lm_head.weight") and self.needs_dense(name)}
         loaded: set[tuple[str, int | None]] = set()
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            if (hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight")
+                    or not self.needs_dense(hf_name)):
                 continue
             name, shard = _fused_name(hf_name)
             if name not in params:
@@ -145,6 +146,28 @@ class LlamaForCausalLM(nn.Module):
             loaded.add((name, shard))
         self._check_complete(params, loaded)
 
+    def needs_dense(self, hf_name: str) -> bool:
+        """False for the weight (not the bias) of a projection that keeps only its quantized
+        form."""
+        if not hf_name.endswith(".weight"):
+            return True
+        try:
+            module = self.get_submodule(_fused_name(hf_name)[0].rpartition(".")[0])
+        except AttributeError:  # not a parameter of this model: load_weights says so
+            return True
+        return not getattr(module, "dense_released", False)
+
+    def weight_bytes(self) -> int:
+        """Float parameters and quantized forms together."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        return dense + sum(m.quantized_bytes() for m in self.modules() if isinstance(m, Linear))
+
+    def num_weights(self) -> int:
+        """Parameters, counting a released float weight's quantized codes in its place."""
+        return sum(p.numel() for p in self.parameters()) + sum(
+            m.quantized.codes.numel() * (2 if m.quantized.bits == 4 else 1)
+            for m in self.modules() if isinstance(m, Linear) and m.dense_released)
+
     def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
                                  max_tokens: int, int8_activations: bool = False) -> list[Linear]:
         """Give projections their quantized form for steps of at most `max_tokens` tokens. A
@@ -152,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         the embeddings'. Returns the layers that did."""
         shards: dict[str, dict[int | None, GroupQuantWeight]] = {}
         for hf_name, weight in weights:
-            if hf_name == "model.embed_tokens.weight" and self.lm_head_is_tied:
+            if hf_name == "model.embed_tokens.weight" and self.arch.tie_word_embeddings:
                 hf_name = "lm_head.weight"
             name, shard = _fused_name(hf_name)
             shards.setdefault(name.removesuffix(".weight"), {})[shard] = weight
@@ -176,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
         head = ("lm_head.weight", None)
         expected = {(name, shard) for name in params for shard in _shards_of(name)}
         missing = expected - loaded - {head}
-        if head not in loaded:  # tied, or no output projection saved: share the embeddings
+        if head not in loaded and self.needs_dense(head[0]):
+            # tied, or no output projection saved: share the embeddings
             self.lm_head.weight = self.model.embed_tokens.weight
         if missing:
             names = sorted(name for name, _ in missing)

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, measure_max_tokens,
-                                     quantized_supported)
+from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear,
+                                     measure_max_tokens, quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -84,10 +84,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         reader = gguf.GGUFReader(path)
         arch = arch_from_gguf(reader)
         net = instantiate(arch, dtype, device)
-        net.load_weights(gguf_weights(reader, arch))
+        layers = []
         if gguf_quantized_max_tokens != 0 and quantized_supported(device):
-            attach_quantized(net, gguf_quantized_weights(reader, arch), gguf_quantized_max_tokens,
-                             dtype, gguf_int8_activations)
+            layers = attach_quantized(net, gguf_quantized_weights(reader, arch),
+                                      gguf_quantized_max_tokens, gguf_int8_activations)
+        net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
+        if layers:
+            choose_quantized_sizes(layers, gguf_quantized_max_tokens, dtype)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
@@ -103,21 +106,38 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
 
 def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQuantWeight]],
-                     max_tokens: int | None, dtype: torch.dtype, int8_activations: bool) -> None:
+                     max_tokens: int | None, int8_activations: bool) -> list[Linear]:
+    """Before the float weights load: a layer multiplied in int8 keeps only its quantized
+    form unless a maximum is set (the tied output projection excepted, whose float weight
+    is also the embedding table)."""
     layers = net.attach_quantized_weights(weights, max_tokens or 0, int8_activations)
-    if not layers:
-        return
-    extra = sum(layer.quantized_bytes() for layer in layers) / (1 << 20)
-    if max_tokens is None:
-        sizes = measure_max_tokens(layers, dtype)
+    for layer in layers if max_tokens is None else ():
+        if layer.int8_panels is not None and not (layer is net.lm_head
+                                                  and net.arch.tie_word_embeddings):
+            layer.release_dense()
+    return layers
+
+
+def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
+                           dtype: torch.dtype) -> None:
+    """Once the float weights are in: measure where the layers that kept both forms should
+    stop multiplying the quantized one (`max_tokens` None), and log the outcome."""
+    both = [layer for layer in layers if not layer.dense_released]
+    if max_tokens is not None:
+        how = f"at most {max_tokens}"
+    elif both:
+        sizes = measure_max_tokens(both, dtype)
         how = "measured per shape: " + ", ".join(
             f"{shape} {'any' if n == ANY_TOKENS else n}" for shape, n in sizes.items())
     else:
-        how = f"at most {max_tokens}"
+        how = "any"
+    extra = sum(layer.quantized_bytes() for layer in both) / (1 << 20)
+    only = len(layers) - len(both)
     int8 = any(layer.int8_panels is not None for layer in layers)
     arithmetic = "4-bit ones with int8 activations" if int8 else "in float"
-    logger.info("Steps multiply the GGUF's quantized weights of %d projections (%.1f MiB more "
-                "memory; %s); tokens per step %s", len(layers), extra, arithmetic, how)
+    logger.info("Steps multiply the GGUF's quantized weights of %d projections (%s); %d keep "
+                "only those, %d also keep float ones (%.1f MiB more memory); tokens per step %s",
+                len(layers), arithmetic, only, len(both), extra, how)
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

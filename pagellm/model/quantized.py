@@ -12,7 +12,9 @@ form holds the file's exact codes and scales: both compute with the same weights
 With int8 activations (the engine's default for GGUF files), a large step multiplies
 4-bit codes with its activations rounded to int8 per 32 inputs, as llama.cpp does:
 twice float32's multiply-adds per cycle on AVX2, no longer exactly the dequantized
-model. Those layers also keep their codes unpacked into the int8 kernel's panels.
+model. Those layers also keep their codes unpacked into the int8 kernel's panels, and
+unless a maximum is set, they keep nothing else: at every step size they beat the float
+weights they would otherwise hold (8x their bytes), so the loader never builds those.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class Linear(nn.Linear):
         self.quantized_max_tokens = 0
         # 4-bit codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
         self.int8_panels: Int8Panels | None = None
+        self.dense_released = False
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False) -> None:
@@ -145,6 +148,14 @@ class Linear(nn.Linear):
         self.quantized_max_tokens = max_tokens
         use_int8 = int8_activations and weight.bits == 4 and int8_matmul_available()
         self.int8_panels = weight.int8_panels() if use_int8 else None
+
+    def release_dense(self) -> None:
+        """Multiply the quantized form at every step size and free the float weight (4x the
+        bytes of 8-bit codes, 8x those of 4-bit ones), which is then never loaded."""
+        assert self.quantized is not None
+        self.quantized_max_tokens = ANY_TOKENS
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.dense_released = True
 
     def quantized_bytes(self) -> int:
         q, panels = self.quantized, self.int8_panels
