@@ -7,6 +7,10 @@ import torch
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
+# vLLM's names; `fp8` is e4m3 there too
+_FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                  "fp8_e5m2": torch.float8_e5m2}
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -35,16 +39,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     """`auto` stores keys and values in the model's dtype, as vLLM does. A narrower one
     (bfloat16 under a float32 model) halves the cache's bytes: twice the tokens fit, and
     decode attention, bound by reading them, gets faster; keys and values are rounded once
-    when stored, and attention still computes in float32."""
+    when stored, and attention still computes in float32. fp8 (e4m3, as vLLM's `fp8`;
+    or e5m2) quarters float32's bytes, with values stored unscaled (vLLM's default
+    scale of 1.0), e4m3 saturating at +-448."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype.startswith("fp8"):
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported yet; choose "
-                         f"auto, bfloat16, float16 or float32.")
-    if kv_cache_dtype not in _DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto, "
-                         f"{', '.join(_DTYPES)}.")
-    return _DTYPES[kv_cache_dtype]
+    choices = {**_DTYPES, **_FP8_KV_DTYPES}
+    if kv_cache_dtype not in choices:
+        raise ValueError(f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose auto, "
+                         f"{', '.join(choices)}.")
+    return choices[kv_cache_dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

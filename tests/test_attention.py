@@ -97,18 +97,24 @@ def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_hea
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2], ids=["bf16", "fp16", "e4m3", "e5m2"])
 def test_float32_queries_over_a_narrower_cache_match_its_rounded_keys(decode_path, cache_dtype):
-    """A float32 model with a bf16/fp16 KV cache: this step's keys and values are rounded
-    once as they are stored, and attention reads every key as that rounded value, in
-    float32, on both the decode kernel and the prefill path."""
+    """A float32 model with a bf16/fp16/fp8 KV cache: this step's keys and values are
+    rounded once as they are stored, and attention reads every key as that rounded value,
+    in float32, on both the decode kernel and the prefill path. The inputs span fp8's
+    subnormals and, in e4m3, its saturation at 448."""
     torch.manual_seed(4)
     heads, kv_heads, dim, length = 9, 3, 64, 21
     kv_cache = torch.zeros(2, kv_heads, 16, BLOCK, dim, dtype=cache_dtype)
     table = [9, 4, 12, 1, 7, 3]
-    keys, values = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+    magnitudes = torch.logspace(-9, 9, dim, base=2)  # 2^-9 (e4m3's smallest) .. 512
+    keys = torch.randn(length, kv_heads, dim) * magnitudes / 64
+    values = torch.randn(length, kv_heads, dim) * magnitudes
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
-    rounded_keys, rounded_values = keys.to(cache_dtype).float(), values.to(cache_dtype).float()
+    largest = torch.finfo(cache_dtype).max
+    rounded_keys, rounded_values = (t.clamp(-largest, largest).to(cache_dtype).float()
+                                    for t in (keys, values))
     query = torch.randn(length, heads, dim)
     # the prompt but its last token as one chunked-prefill step, then one decode step
     steps = [(range(0, length - 1), [length - 1], 0), (range(length - 1, length), [1], length - 1)]
@@ -121,9 +127,10 @@ def test_float32_queries_over_a_narrower_cache_match_its_rounded_keys(decode_pat
         expected = reference_attention(query[index], rounded_keys[:positions.stop],
                                        rounded_values[:positions.stop], cached)
         assert out.dtype == torch.float32
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        spread = rounded_values.abs().max()  # float32's rounding, relative to the largest value
+        torch.testing.assert_close(out / spread, expected / spread, atol=1e-6, rtol=1e-5)
     block, offset = divmod(int(slots[-1]), BLOCK)
-    assert torch.equal(kv_cache[0, :, block, offset], keys[-1].to(cache_dtype))
+    assert torch.equal(kv_cache[1, :, block, offset].float(), rounded_values[-1])
 
 
 def test_prompts_from_position_zero_attend_causally_without_a_mask():

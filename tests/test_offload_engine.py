@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from pagellm import LLM, SamplingParams
@@ -171,3 +172,16 @@ def test_a_memory_mapped_file_holds_the_second_tier(tiny_llama_dir: Path, expect
     offload = llm.engine.core.scheduler.kv.offload
     assert path.stat().st_size == offload.num_bytes
     assert llm.engine.core.scheduler.make_stats().offload.transfers.loaded_blocks > 0
+
+
+def test_an_fp8_cache_swaps_through_the_second_tier_byte_for_byte(tiny_llama_dir: Path):
+    """fp8 blocks travel between the tiers as bytes (torch has no fp8 copy kernels): the
+    greedy tokens are those of the same fp8 cache without a second tier."""
+    fp8 = {"dtype": "float32", "kv_cache_dtype": "fp8", **TIGHT}
+    prompts = shared_prefix_prompts(1)
+    expected = generate(LLM(str(tiny_llama_dir), **fp8), prompts)
+    llm = LLM(str(tiny_llama_dir), kv_offloading_size=0.001, preemption_mode="swap", **fp8)
+    assert llm.engine.core.runner.offload_caches[0].dtype == torch.float8_e4m3fn
+    assert generate(llm, prompts) == expected
+    stats = llm.engine.core.scheduler.make_stats()
+    assert stats.num_preemptions_swap > 0 and stats.offload.transfers.loaded_blocks > 0

@@ -19,9 +19,10 @@ _HELP = {
     "max_model_len": "context length (prompt + output); default: the model's",
     "seed": "seed of the engine's random generator",
     "block_size": "tokens per KV cache block",
-    "kv_cache_dtype": "auto, bfloat16, float16 or float32: the dtype keys and values are stored "
-                      "in (auto: the model's); bfloat16 under a float32 model halves the cache's "
-                      "memory and speeds up decode attention on CPU",
+    "kv_cache_dtype": "auto, bfloat16, float16, float32, fp8 (e4m3), fp8_e4m3 or fp8_e5m2: the "
+                      "dtype keys and values are stored in (auto: the model's); bfloat16 under "
+                      "a float32 model halves the cache's memory and speeds up decode attention "
+                      "on CPU; fp8 halves it again, at some accuracy",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
     "kv_cache_memory": "KV cache budget in bytes on CPU (also VLLM_CPU_KVCACHE_SPACE in GiB); "
                        "default 4 GiB",

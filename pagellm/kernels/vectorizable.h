@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -37,6 +39,21 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const c10::Half* p, int64_t i) { return static_cast<float>(p[i]); }
 inline float load(const c10::BFloat16* p, int64_t i) {
   return bits_to_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
+}
+
+// fp8 KV caches (read only). The code's exponent and mantissa bits are placed in a
+// float32's and the result rescaled by 2^(127 - bias): exact for every finite code,
+// subnormals included.
+inline float fp8_to_float(uint8_t code, int mantissa_bits, float rebias) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  return bits_to_float(sign | (static_cast<uint32_t>(code & 0x7Fu) << (23 - mantissa_bits))) *
+         rebias;
+}
+inline float load(const c10::Float8_e4m3fn* p, int64_t i) {
+  return fp8_to_float(reinterpret_cast<const uint8_t*>(p)[i], 3, 0x1p120f);
+}
+inline float load(const c10::Float8_e5m2* p, int64_t i) {
+  return fp8_to_float(reinterpret_cast<const uint8_t*>(p)[i], 2, 0x1p112f);
 }
 
 inline void store(float* p, int64_t i, float value) { p[i] = value; }
@@ -104,6 +121,17 @@ void dispatch_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
     case at::kBFloat16: fn(c10::BFloat16{}); break;
     case at::kHalf: fn(c10::Half{}); break;
     default: TORCH_CHECK(false, op, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
+// dispatch_dtype, plus the fp8 formats a KV cache may be stored in (c10::Float8_e4m3fn,
+// c10::Float8_e5m2), which kernels only read.
+template <typename Fn>
+void dispatch_cache_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat8_e4m3fn: fn(c10::Float8_e4m3fn{}); break;
+    case at::kFloat8_e5m2: fn(c10::Float8_e5m2{}); break;
+    default: dispatch_dtype(x, op, fn);
   }
 }
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pagellm.kernels import paged_decode_attention, use_cpu_kernels
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -120,8 +121,21 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     cache's dtype where it is narrower than the model's."""
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     for half, rows in ((0, key), (1, value)):
-        kv_cache[half].view(num_kv_heads, -1, head_dim).index_copy_(
-            1, slot_mapping, rows.transpose(0, 1).to(kv_cache.dtype))
+        as_bytes(kv_cache[half]).view(num_kv_heads, -1, head_dim).index_copy_(
+            1, slot_mapping, as_bytes(_rounded(rows.transpose(0, 1), kv_cache.dtype)))
+
+
+def _rounded(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 saturates at its largest finite value (a cast would give NaN on some backends)."""
+    if dtype in _FP8_DTYPES:
+        largest = torch.finfo(dtype).max
+        rows = rows.clamp(-largest, largest)
+    return rows.to(dtype)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8, for the copies torch does not implement in fp8; others as is."""
+    return tensor.view(torch.uint8) if tensor.dtype in _FP8_DTYPES else tensor
 
 
 def paged_attention(

@@ -24,8 +24,8 @@ from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, Schedu
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
-from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, build_attention_metadata,
-                                     kv_cache_shape)
+from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
+                                     build_attention_metadata, kv_cache_shape)
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 
 logger = init_logger(__name__)
@@ -99,8 +99,9 @@ class ModelRunner:
         target_index = torch.tensor([p[1] for p in pairs], dtype=torch.long,
                                     device=targets[0].device)
         for source, target in zip(sources, targets):
-            target.index_copy_(BLOCK_DIM, target_index,
-                               source.index_select(BLOCK_DIM, source_index).to(target.device))
+            as_bytes(target).index_copy_(
+                BLOCK_DIM, target_index,
+                as_bytes(source.index_select(BLOCK_DIM, source_index).to(target.device)))
         self._synchronize()
         return time.perf_counter() - start
 
