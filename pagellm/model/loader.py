@@ -75,7 +75,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                gguf_quantized_max_tokens: int | None = 0,
                gguf_int8_activations: bool = False) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
-    quantized matrices as stored; None measures where that stops paying, 0 never does.
+    quantized matrices as stored; None measures where that stops paying (4-bit ones under
+    int8 activations: never, so they get no float weights), 0 never does.
     `gguf_int8_activations`: those of 12 tokens or more round the activations to int8 for
     4-bit matrices."""
     path = resolve_model_path(model)
