@@ -34,37 +34,68 @@ def decode_path(request, monkeypatch):
     return request.param
 
 
+def cache_requests(kv_cache: torch.Tensor, requests: list[tuple[int, int, list[int]]]):
+    """Random keys/values for (cached, new, block table) requests, the cached ones written
+    to the cache; -> (keys, values) per request, and the step's metadata."""
+    _, kv_heads, _, block, dim = kv_cache.shape
+    all_keys, all_values = [], []
+    for cached, new, table in requests:
+        keys = torch.randn(cached + new, kv_heads, dim)
+        values = torch.randn(cached + new, kv_heads, dim)
+        for pos in range(cached):
+            slot, offset = table[pos // block], pos % block
+            kv_cache[0, :, slot, offset], kv_cache[1, :, slot, offset] = keys[pos], values[pos]
+        all_keys.append(keys)
+        all_values.append(values)
+    slots = [table[pos // block] * block + pos % block
+             for cached, new, table in requests for pos in range(cached, cached + new)]
+    metadata = build_attention_metadata(
+        [new for _, new, _ in requests], [cached + new for cached, new, _ in requests],
+        [table for _, _, table in requests], torch.tensor(slots), block, torch.device("cpu"))
+    return all_keys, all_values, metadata
+
+
+def attend_and_reference(kv_cache: torch.Tensor, requests: list[tuple[int, int, list[int]]],
+                         heads: int):
+    """paged_attention over one step of `requests` (see cache_requests), and the reference
+    attention of each request; -> (out, expected, metadata, this step's keys)."""
+    all_keys, all_values, metadata = cache_requests(kv_cache, requests)
+    dim = kv_cache.shape[-1]
+    queries = [torch.randn(new, heads, dim) for _, new, _ in requests]
+    new_keys = torch.cat([k[c:] for k, (c, _, _) in zip(all_keys, requests)])
+    new_values = torch.cat([v[c:] for v, (c, _, _) in zip(all_values, requests)])
+    out = paged_attention(torch.cat(queries), new_keys, new_values, kv_cache, metadata,
+                          scale=dim ** -0.5)
+    expected = torch.cat([reference_attention(q, k, v, cached) for q, k, v, (cached, _, _)
+                          in zip(queries, all_keys, all_values, requests)])
+    return out, expected, metadata, new_keys
+
+
 def test_mixed_decode_and_chunked_prefill_match_reference(decode_path):
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, KV_HEADS, 16, BLOCK, DIM)
     # (tokens already cached, new tokens this step, block table) per request
     requests = [(5, 1, [7, 2]), (0, 6, [3, 9]), (4, 3, [11, 0]), (9, 1, [1, 5, 14])]
-    all_keys, all_values = [], []
-    for cached, new, table in requests:
-        keys = torch.randn(cached + new, KV_HEADS, DIM)
-        values = torch.randn(cached + new, KV_HEADS, DIM)
-        for pos in range(cached):
-            block, offset = table[pos // BLOCK], pos % BLOCK
-            kv_cache[0, :, block, offset], kv_cache[1, :, block, offset] = keys[pos], values[pos]
-        all_keys.append(keys)
-        all_values.append(values)
-    slots = [table[pos // BLOCK] * BLOCK + pos % BLOCK
-             for cached, new, table in requests for pos in range(cached, cached + new)]
-    metadata = build_attention_metadata(
-        [new for _, new, _ in requests], [cached + new for cached, new, _ in requests],
-        [table for _, _, table in requests], torch.tensor(slots), BLOCK, torch.device("cpu"))
+    out, expected, metadata, new_keys = attend_and_reference(kv_cache, requests, HEADS)
     assert [g.query_index.shape for g in metadata.groups] == [(2, 1), (2, 6)]
     assert [g.all_tokens_in_order for g in metadata.groups] == [False, False]
-    queries = [torch.randn(new, HEADS, DIM) for _, new, _ in requests]
-    new_keys = torch.cat([k[c:] for k, (c, _, _) in zip(all_keys, requests)])
-    new_values = torch.cat([v[c:] for v, (c, _, _) in zip(all_values, requests)])
-    out = paged_attention(torch.cat(queries), new_keys, new_values, kv_cache, metadata,
-                          scale=DIM ** -0.5)
-    expected = torch.cat([reference_attention(q, k, v, cached) for q, k, v, (cached, _, _)
-                          in zip(queries, all_keys, all_values, requests)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    block, offset = divmod(slots[-1], BLOCK)
+    block, offset = divmod(int(metadata.slot_mapping[-1]), BLOCK)
     torch.testing.assert_close(kv_cache[0, :, block, offset], new_keys[-1])
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_long_prompt_chunks_match_reference(decode_path, dim):
+    """Chunks of many 32-token work items (a fresh prompt, one after a cached prefix that
+    ends mid-block, one of a few tokens), 3 query heads per kv head, 16-token blocks."""
+    torch.manual_seed(6)
+    kv_cache = torch.zeros(2, 2, 40, 16, dim)
+    blocks = torch.randperm(40).tolist()
+    requests = [(0, 70, blocks[:5]), (37, 100, blocks[5:14]), (130, 2, blocks[14:23]),
+                (12, 1, blocks[23:24])]
+    out, expected, metadata, _ = attend_and_reference(kv_cache, requests, 6)
+    assert [g.query_index.shape for g in metadata.groups] == [(1, 1), (3, 100)]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(HEADS, KV_HEADS, DIM), (6, 2, 64),

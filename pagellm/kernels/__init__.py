@@ -24,7 +24,8 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
-                                      "sampling_noise.cpp", "argmax.cpp")]
+                                      "sampling_noise.cpp", "argmax.cpp",
+                                      "prefill_attention.cpp")]
 _HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
@@ -133,6 +134,24 @@ def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 @functools.cache
+def prefill_attention_available() -> bool:
+    """Whether paged_prefill_attention was compiled: it needs AVX2 and FMA."""
+    return cpu_kernels_available() and hasattr(torch.ops.pagellm, "paged_prefill_attention")
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_starts: torch.Tensor, query_lens: torch.Tensor,
+                            num_queries: int, scale: float) -> torch.Tensor:
+    """Causal attention of each request's chunk (query_lens[n] rows of query [T, H, D] from
+    query_starts[n], at the last positions of its seq_lens[n]) over its cached keys ->
+    [num_queries, H * D], the chunks one after another."""
+    out = query.new_empty(num_queries, query.shape[1] * query.shape[2])
+    torch.ops.pagellm.paged_prefill_attention(out, query, kv_cache, block_tables, seq_lens,
+                                              query_starts, query_lens, scale)
+    return out
+
+
 def int8_matmul_available() -> bool:
     """Whether quantized_linear_int8 was compiled: it needs AVX2 (vpmaddubsw)."""
     return cpu_kernels_available() and hasattr(torch.ops.pagellm, "quantized_linear_int8")

@@ -15,6 +15,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace pagellm {
 
 inline float bits_to_float(uint32_t bits) {
@@ -61,6 +65,45 @@ inline void store(c10::Half* p, int64_t i, float value) { p[i] = static_cast<c10
 inline void store(c10::BFloat16* p, int64_t i, float value) {
   reinterpret_cast<uint16_t*>(p)[i] = bfloat16_bits(value);
 }
+
+// A row of keys or values as float32.
+template <typename T>
+inline void widen(float* out, const T* row, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = load(row, i);
+}
+
+#if defined(__F16C__) && defined(__AVX2__)
+// fp8 through float16, which F16C widens in hardware, subnormals included (float32 math on
+// subnormal inputs would take a microcode assist): e5m2 is float16's top byte; e4m3's
+// exponent and mantissa shifted into float16's place read 2^8 too small, which one
+// multiply fixes.
+template <bool kE4M3, typename T>
+inline void widen_fp8(float* out, const T* row, int64_t n) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(row);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i words =
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
+    if constexpr (kE4M3) {
+      const __m128i magnitude = _mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16(0x3F80));
+      const __m128i sign = _mm_and_si128(_mm_slli_epi16(words, 8), _mm_set1_epi16(-0x8000));
+      const __m256 wide = _mm256_cvtph_ps(_mm_or_si128(magnitude, sign));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(wide, _mm256_set1_ps(256.f)));
+    } else {
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_slli_epi16(words, 8)));
+    }
+  }
+  for (; i < n; ++i) out[i] = load(row, i);
+}
+
+inline void widen(float* out, const c10::Float8_e4m3fn* row, int64_t n) {
+  widen_fp8<true>(out, row, n);
+}
+inline void widen(float* out, const c10::Float8_e5m2* row, int64_t n) {
+  widen_fp8<false>(out, row, n);
+}
+#endif
 
 // `value` rounded to T's precision, still as float.
 inline float rounded(float value, const float*) { return value; }

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import paged_decode_attention, use_cpu_kernels
+from pagellm.kernels import (paged_decode_attention, paged_prefill_attention,
+                             prefill_attention_available, use_cpu_kernels)
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -36,10 +37,13 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
     seq_lens: torch.Tensor  # [B] keys visible to each request's last query
     # [B, 1, Q, max_blocks * block_size] True where a key is visible; None for prompts that
-    # all start at position 0, where query i sees keys 0..i (SDPA's is_causal)
+    # all start at position 0, where query i sees keys 0..i (SDPA's is_causal), and where
+    # the CPU kernels attend (they take positions from seq_lens and query_lens)
     mask: torch.Tensor | None
     valid_slots: torch.Tensor  # positions in the flattened [B * Q] that are real tokens
     token_index: torch.Tensor  # flat token index of each real slot, same order
+    query_starts: torch.Tensor  # [B] flat token index of each request's first query
+    query_lens: torch.Tensor  # [B]
     all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
 
 
@@ -97,7 +101,7 @@ def _build_group(
         table[row, : len(blocks)] = blocks
 
     mask = None
-    if max_q == 1 or np.any(s_lens > q_lens):
+    if not _kernels_attend(device) and (max_q == 1 or np.any(s_lens > q_lens)):
         key_pos = np.arange(max_blocks * block_size, dtype=np.int64)
         query_pos = (s_lens - q_lens)[:, None] + offsets[None, :]
         mask = torch.from_numpy(key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(device)
@@ -111,8 +115,15 @@ def _build_group(
         mask=mask,
         valid_slots=torch.from_numpy(flat_valid).to(device),
         token_index=torch.from_numpy(token_index).to(device),
+        query_starts=torch.from_numpy(starts).to(device),
+        query_lens=torch.from_numpy(q_lens).to(device),
         all_tokens_in_order=bool(np.array_equal(token_index, np.arange(sum(query_lens)))),
     )
+
+
+def _kernels_attend(device: torch.device) -> bool:
+    """Whether this device's decode and prefill groups both go to the CPU kernels."""
+    return use_cpu_kernels(torch.empty(0, device=device)) and prefill_attention_available()
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -165,6 +176,10 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale)
+    if max_q > 1 and use_cpu_kernels(kv_cache) and prefill_attention_available():
+        return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
+                                       group.query_starts, group.query_lens,
+                                       group.token_index.numel(), scale)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
     kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim).to(query.dtype)  # [2, KVH, B, L, D]
     if max_q == 1:

@@ -1,0 +1,268 @@
+// Causal attention of prompt chunks over the paged KV cache, for CPUs with AVX2 and FMA.
+//
+// A chunk's queries sit at positions seq_len - query_len .. seq_len - 1 of their request
+// and see every key up to their own position: cached prefix and chunk alike, read in
+// place from the blocks the request's block table names. A work item is up to 32 query
+// tokens of one request times the query heads sharing one kv head. It walks the key
+// blocks once, with an online softmax, and keeps its query rows along the vector lanes:
+//   - the queries are transposed once per item (Qt [head_dim, rows]), so scores of 4
+//     keys x 16 rows are a register tile of FMAs, each key value broadcast;
+//   - the softmax over a block's keys is then elementwise across rows;
+//   - the output (Ot [head_dim, rows]) gathers values the same way, tiles of 4 dims x 16
+//     rows, rescaled by the softmax's correction as the tile is loaded.
+// Keys past a row's position are masked only in the blocks that hold some (the diagonal);
+// blocks past the item's last position are never read. Everything computes in float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "vectorizable.h"
+
+namespace {
+
+using pagellm::exp_nonpositive;
+using pagellm::load;
+using pagellm::store;
+using pagellm::widen;
+
+constexpr int64_t kItemTokens = 32;  // query tokens per work item
+constexpr int64_t kLanes = 16;       // query rows per register tile: two ymm
+constexpr int64_t kTile = 4;         // keys (scores) or head dims (output) per register tile
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
+};
+
+// s[j][r0..r0+16) = sum_i keys[j][i] * qt[i][r0..r0+16) for the 4 keys of `keys`.
+inline void score_tile(float* s, const float* keys, const float* qt, int64_t d, int64_t rows,
+                       int64_t r0) {
+  __m256 acc[kTile][2];
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m256 q0 = _mm256_loadu_ps(qt + i * rows + r0), q1 = _mm256_loadu_ps(qt + i * rows + r0 + 8);
+    for (int64_t j = 0; j < kTile; ++j) {
+      const __m256 key = _mm256_broadcast_ss(keys + j * d + i);
+      acc[j][0] = _mm256_fmadd_ps(key, q0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(key, q1, acc[j][1]);
+    }
+  }
+  for (int64_t j = 0; j < kTile; ++j) {
+    _mm256_storeu_ps(s + j * rows + r0, acc[j][0]);
+    _mm256_storeu_ps(s + j * rows + r0 + 8, acc[j][1]);
+  }
+}
+
+// ot[i0 + i][r0..r0+16) = ot[..] * correction[r0..] + sum_j values[j][i0 + i] * p[j][r0..]
+// for the 4 dims from i0, over `count` keys.
+inline void accumulate_tile(float* ot, const float* values, const float* p, const float* correction,
+                            int64_t count, int64_t d, int64_t rows, int64_t i0, int64_t r0) {
+  const __m256 c0 = _mm256_loadu_ps(correction + r0), c1 = _mm256_loadu_ps(correction + r0 + 8);
+  __m256 acc[kTile][2];
+  for (int64_t i = 0; i < kTile; ++i) {
+    acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(ot + (i0 + i) * rows + r0), c0);
+    acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(ot + (i0 + i) * rows + r0 + 8), c1);
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 p0 = _mm256_loadu_ps(p + j * rows + r0), p1 = _mm256_loadu_ps(p + j * rows + r0 + 8);
+    for (int64_t i = 0; i < kTile; ++i) {
+      const __m256 value = _mm256_broadcast_ss(values + j * d + i0 + i);
+      acc[i][0] = _mm256_fmadd_ps(value, p0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(value, p1, acc[i][1]);
+    }
+  }
+  for (int64_t i = 0; i < kTile; ++i) {
+    _mm256_storeu_ps(ot + (i0 + i) * rows + r0, acc[i][0]);
+    _mm256_storeu_ps(ot + (i0 + i) * rows + r0 + 8, acc[i][1]);
+  }
+}
+
+// Per-item scratch, all float32; rows are (token, query head) pairs, token-major.
+struct Scratch {
+  std::vector<float> qt, ot, scores, keys, values, position, max, sum, correction, block_max;
+
+  void resize(int64_t rows, int64_t d, int64_t padded_block) {
+    qt.assign(d * rows, 0.f);
+    ot.assign(d * rows, 0.f);
+    scores.assign(padded_block * rows, 0.f);
+    keys.assign(padded_block * d, 0.f);
+    values.assign(padded_block * d, 0.f);
+    position.assign(rows, 0.f);
+    max.assign(rows, -INFINITY);
+    sum.assign(rows, 0.f);
+    correction.assign(rows, 0.f);
+    block_max.assign(rows, 0.f);
+  }
+};
+
+// Folds one block's scores (`count` keys from position `first_key`) into the running
+// softmax: masks keys past each row's position when `masked`, turns scores into weights
+// relative to the new maximum, and leaves each row's rescaling of its past in `correction`.
+void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool masked) {
+  float* s = w.scores.data();
+  float *mx = w.block_max.data(), *m = w.max.data(), *l = w.sum.data();
+  const float* pos = w.position.data();
+#pragma omp simd
+  for (int64_t r = 0; r < rows; ++r) mx[r] = m[r];
+  for (int64_t j = 0; j < count; ++j) {
+    float* row = s + j * rows;
+    const float key = first_key + static_cast<float>(j);
+#pragma omp simd
+    for (int64_t r = 0; r < rows; ++r) {
+      const float score = masked && key > pos[r] ? -INFINITY : row[r];
+      row[r] = score;
+      mx[r] = score > mx[r] ? score : mx[r];
+    }
+  }
+#pragma omp simd
+  for (int64_t r = 0; r < rows; ++r) {
+    w.correction[r] = exp_nonpositive(m[r] - mx[r]);
+    l[r] *= w.correction[r];
+    m[r] = mx[r];
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    float* row = s + j * rows;
+#pragma omp simd
+    for (int64_t r = 0; r < rows; ++r) {
+      row[r] = exp_nonpositive(row[r] - mx[r]);
+      l[r] += row[r];
+    }
+  }
+}
+
+template <typename T, typename C>
+void attend_item(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
+                 int64_t seq_len, int64_t query_len, int64_t first, const Shape& s, float scale,
+                 Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
+  const int64_t tokens = std::min(kItemTokens, query_len - first);
+  const int64_t rows = (tokens * group + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = (bs + kTile - 1) / kTile * kTile;
+  const int64_t first_position = seq_len - query_len + first;
+  w.resize(rows, d, padded);
+  for (int64_t r = 0; r < rows; ++r) {  // padding rows repeat the last token, then are dropped
+    const int64_t t = std::min(r / group, tokens - 1), g = r % group;
+    const T* q = query + (first + t) * s.query_row_stride + g * d;
+    for (int64_t i = 0; i < d; ++i) w.qt[i * rows + r] = load(q, i) * scale;
+    w.position[r] = static_cast<float>(first_position + t);
+  }
+  const int64_t visible = first_position + tokens;  // keys the item's last token sees
+  for (int64_t b = 0; b * bs < visible; ++b) {
+    const int64_t count = std::min(bs, visible - b * bs), slot = table[b] * bs;
+    widen(w.keys.data(), keys + slot * d, count * d);
+    widen(w.values.data(), values + slot * d, count * d);
+    std::fill(w.keys.begin() + count * d, w.keys.end(), 0.f);
+    for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+      for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+        score_tile(w.scores.data() + j0 * rows, w.keys.data() + j0 * d, w.qt.data(), d, rows, r0);
+      }
+    }
+    fold_block(w, rows, count, static_cast<float>(b * bs), b * bs + count - 1 > first_position);
+    for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+      for (int64_t i0 = 0; i0 < d; i0 += kTile) {
+        accumulate_tile(w.ot.data(), w.values.data(), w.scores.data(), w.correction.data(),
+                        count, d, rows, i0, r0);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tokens * group; ++r) {
+    const float inverse = 1.f / w.sum[r];
+    T* o = out + (first + r / group) * s.num_heads * d + (r % group) * d;
+    for (int64_t i = 0; i < d; ++i) store(o, i, w.ot[i * rows + r] * inverse);
+  }
+}
+
+template <typename T, typename C>
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+         const at::Tensor& query_starts, const at::Tensor& query_lens, const Shape& s,
+         float scale) {
+  const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
+  const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
+  const int64_t layer_stride = s.num_kv_heads * head_stride;
+  const int64_t *lens = seq_lens.const_data_ptr<int64_t>(),
+                *starts = query_starts.const_data_ptr<int64_t>(),
+                *q_lens = query_lens.const_data_ptr<int64_t>();
+  // items: (request, kv head, first token); out rows: the requests' chunks one after another.
+  // A request's later tokens see more keys: its items alternate first and last, so that the
+  // pool's contiguous slices of items get equal work.
+  std::vector<int64_t> item_request, item_first, out_row(requests, 0);
+  for (int64_t n = 0; n < requests; ++n) {
+    if (n > 0) out_row[n] = out_row[n - 1] + q_lens[n - 1];
+    const int64_t count = (q_lens[n] + kItemTokens - 1) / kItemTokens;
+    for (int64_t i = 0; i < count; ++i) {
+      item_request.push_back(n);
+      item_first.push_back((i % 2 == 0 ? i / 2 : count - 1 - i / 2) * kItemTokens);
+    }
+  }
+  const int64_t chunks = static_cast<int64_t>(item_request.size());
+  const C* cache = kv_cache.const_data_ptr<C>();
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  at::parallel_for(0, chunks * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t chunk = item / s.num_kv_heads, h = item % s.num_kv_heads;
+      const int64_t n = item_request[chunk];
+      attend_item<T, C>(o + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
+                        q + starts[n] * s.query_row_stride + h * group * s.head_dim,
+                        cache + h * head_stride, cache + layer_stride + h * head_stride,
+                        tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s,
+                        scale, scratch);
+    }
+  });
+}
+
+// out: [sum(query_lens), H * D], the chunks in request order; query: [T, H, D] with unit
+// strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
+// block_tables: [N, max_blocks]; seq_lens, query_starts (row of each chunk's first query),
+// query_lens: [N], all int64.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_starts, const at::Tensor& query_lens,
+                             double scale) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
+              "paged_prefill_attention: unexpected ranks");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
+                  kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous() && query_starts.is_contiguous() &&
+                  query_lens.is_contiguous(),
+              "paged_prefill_attention: unexpected strides");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(),
+              "paged_prefill_attention: query and output dtypes differ");
+  const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
+                kv_cache.size(3), block_tables.size(1), query.stride(0)};
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
+                  s.head_dim % kTile == 0,
+              "paged_prefill_attention: head shapes do not match");
+  const float f = static_cast<float>(scale);
+  pagellm::dispatch_dtype(query, "paged_prefill_attention", [&](auto query_tag) {
+    pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
+      run<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens,
+                                                    query_starts, query_lens, s, f);
+    });
+  });
+}
+
+}  // namespace
+
+// Registered only where it is compiled: Python checks for the op.
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, "
+        "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
+
+#endif
