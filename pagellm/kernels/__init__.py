@@ -152,6 +152,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     return out
 
 
+@functools.cache
 def int8_matmul_available() -> bool:
     """Whether quantized_linear_int8 was compiled: it needs AVX2 (vpmaddubsw)."""
     return cpu_kernels_available() and hasattr(torch.ops.pagellm, "quantized_linear_int8")
