@@ -39,24 +39,29 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Calls visit(first position, first cache slot, count) for each block of a block table
-// holding the first seq_len tokens. Blocks lie anywhere in the cache, out of reach of the
-// hardware prefetcher: the next block's keys and values (`row_size` values per token) are
-// requested while this one is visited.
-template <typename C, typename Visit>
+// Calls visit(first position, first cache slot, count, next block's first slot or -1) for
+// each block of a block table holding the first seq_len tokens. Blocks lie anywhere in the
+// cache, out of reach of the hardware prefetcher: a visit requests the next block's rows
+// while it reads its own (widen_prefetching).
+template <typename Visit>
 inline void for_each_block(const int64_t* table, int64_t seq_len, int64_t block_size,
-                           const C* keys, const C* values, int64_t row_size, Visit&& visit) {
+                           Visit&& visit) {
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t block_bytes = block_size * row_size * static_cast<int64_t>(sizeof(C));
   for (int64_t b = 0, start = 0; b < num_blocks; ++b, start += block_size) {
-    if (b + 1 < num_blocks) {
-      const int64_t next = table[b + 1] * block_size * row_size;
-      for (const C* rows : {keys + next, values + next}) {
-        const char* bytes = reinterpret_cast<const char*>(rows);
-        for (int64_t offset = 0; offset < block_bytes; offset += 64) __builtin_prefetch(bytes + offset);
-      }
-    }
-    visit(start, table[b] * block_size, std::min(block_size, seq_len - start));
+    const int64_t next = b + 1 < num_blocks ? table[b + 1] * block_size : -1;
+    visit(start, table[b] * block_size, std::min(block_size, seq_len - start), next);
+  }
+}
+
+// widen(out, rows, n), requesting the same bytes of `next` (unless null) a cache line at a
+// time along the way. Requested all at once, a block's 64 lines filled the core's queue of
+// misses and stalled it, then left memory idle while the block was computed on.
+template <typename C>
+inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(C);
+  for (int64_t i = 0; i < n; i += kLine) {
+    if (next != nullptr) __builtin_prefetch(next + i);
+    widen(out + i, rows + i, std::min(kLine, n - i));
   }
 }
 
@@ -203,7 +208,8 @@ inline void add_weighted_rows(float* sum, const float* weights, const float* row
 // loops); 0 reads it from the shape.
 template <typename T, typename C, int64_t kDim>
 void attend_one(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
-                int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch) {
+                int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch,
+                const C* after_keys, const C* after_values) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
   const int64_t bs = s.block_size, padded = (bs + 7) / 8 * 8;
   scratch.assign(2 * group * d + group * bs + 2 * padded * d, 0.f);
@@ -215,10 +221,14 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
   std::vector<Running> heads(group);
   for (int64_t g = 0; g < group; ++g) heads[g] = {-INFINITY, 0.f, weighted + g * d};
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
-  for_each_block(table, seq_len, bs, keys, values, d, [&](int64_t, int64_t slot, int64_t count) {
+  // the last block requests the first rows of the thread's next item (`after_*`, or null)
+  auto next_rows = [&](const C* rows, const C* after, int64_t next) {
+    return next < 0 ? after : rows + next * d;
+  };
+  for_each_block(table, seq_len, bs, [&](int64_t, int64_t slot, int64_t count, int64_t next) {
     if (!score_with_dot_instruction<T, C, kDim>(scores, bs, query, keys + slot * d, count, group,
                                                 scale)) {
-      widen(block_keys, keys + slot * d, count * d);
+      widen_prefetching(block_keys, keys + slot * d, next_rows(keys, after_keys, next), count * d);
       if (!score_eight_at_a_time<kDim>(scores, bs, q, block_keys, count, group)) {
         for (int64_t t = 0; t < count; ++t)
           for (int64_t g = 0; g < group; ++g)
@@ -226,7 +236,7 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
       }
     }
     for (int64_t g = 0; g < group; ++g) fold_block_scores(heads[g], scores + g * bs, count, d);
-    widen(block_values, values + slot * d, count * d);
+    widen_prefetching(block_values, values + slot * d, next_rows(values, after_values, next), count * d);
     for (int64_t g = 0; g < group; ++g) {
       add_weighted_rows<kDim>(heads[g].weighted, scores + g * bs, block_values, count, d);
     }
@@ -251,12 +261,20 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
   at::parallel_for(0, num_requests * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    // an item's first keys (its values follow one layer_stride further)
+    auto first_keys = [&](int64_t item) {
+      const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
+      return cache + h * head_stride + tables[n * s.max_blocks] * s.block_size * s.head_dim;
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t offset = (n * s.num_heads + h * group) * s.head_dim;
+      const C* after = item + 1 < end && lens[(item + 1) / s.num_kv_heads] > 0
+                           ? first_keys(item + 1) : nullptr;
       attend_one<T, C, kDim>(o + offset, q + offset, cache + h * head_stride,
                              cache + layer_stride + h * head_stride, tables + n * s.max_blocks,
-                             lens[n], s, scale, scratch);
+                             lens[n], s, scale, scratch, after,
+                             after == nullptr ? nullptr : after + layer_stride);
     }
   });
 }
