@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
 from pagellm.model.loader import default_model_path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pagellm_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """pagellm's cache (GGUF tokenizers) in a folder of the session, not the user's, for the
+    tests and the servers they start."""
+    folder = tmp_path_factory.mktemp("pagellm-cache")
+    previous = os.environ.get("PAGELLM_CACHE_DIR")
+    os.environ["PAGELLM_CACHE_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        del os.environ["PAGELLM_CACHE_DIR"]
+    else:
+        os.environ["PAGELLM_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,103 @@
+"""GGUF tokenizers: rebuilt from the file once, then loaded from pagellm's cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagellm import tokenizer as tokenizer_module
+from pagellm.tokenizer import (apply_chat_template, gguf_tokenizer_key, load_tokenizer,
+                               pagellm_cache_dir)
+
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines ",
+         "<|im_start|>user\nspecial tokens inline<|im_end|>", "émigré naïve 日本語 🙂",
+         "code: def f(x):\n    return x ** 2  # comment", ""]
+
+
+def test_gguf_tokenizer_is_cached_and_identical(smollm2_gguf: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    converted = load_tokenizer(smollm2_gguf)
+    folder = tmp_path / "tokenizers" / gguf_tokenizer_key(smollm2_gguf)
+    assert (folder / "tokenizer.json").is_file()
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [folder.name]
+
+    def no_conversion(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the GGUF was converted again")
+
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: no_conversion() if "gguf_file" in kw
+                        else real(path, **kw))
+    cached = load_tokenizer(smollm2_gguf)
+
+    assert len(cached) == len(converted) == 49152
+    assert cached.get_added_vocab() == converted.get_added_vocab()
+    assert (cached.bos_token_id, cached.eos_token_id, cached.pad_token_id) == (
+        converted.bos_token_id, converted.eos_token_id, converted.pad_token_id)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = converted.encode(text, add_special_tokens=special)
+            assert cached.encode(text, add_special_tokens=special) == ids
+        assert cached.decode(ids) == converted.decode(ids)
+    messages = [{"role": "user", "content": "What is a paged KV cache?"}]
+    assert cached.chat_template == converted.chat_template
+    assert (apply_chat_template(cached, messages, cached.chat_template)
+            == apply_chat_template(converted, messages, converted.chat_template))
+
+
+def test_gguf_tokenizer_key_follows_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    first = gguf_tokenizer_key(path)
+    assert gguf_tokenizer_key(path) == first
+    os.utime(path, ns=(1, 1))
+    touched = gguf_tokenizer_key(path)
+    assert touched != first
+    path.write_bytes(b"GGUF" + bytes(61))
+    os.utime(path, ns=(1, 1))
+    assert gguf_tokenizer_key(path) not in (first, touched)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(path.read_bytes())
+    os.utime(copy, ns=(1, 1))
+    assert gguf_tokenizer_key(copy) != gguf_tokenizer_key(path)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert pagellm_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("PAGELLM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pagellm_cache_dir() == tmp_path / "xdg" / "pagellm"
+
+
+class _FolderWriter:
+    """Stands in for a tokenizer: save_pretrained writes one file, as the real one writes three."""
+
+    def save_pretrained(self, folder: str) -> None:
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "tokenizer_config.json").write_text('{"mine": true}')
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path) -> None:
+    winner = tmp_path / "tokenizers" / "key"
+    winner.mkdir(parents=True)
+    (winner / "tokenizer_config.json").write_text('{"first": true}')
+    tokenizer_module._save_tokenizer(_FolderWriter(), winner)  # a concurrent start got there first
+    assert (winner / "tokenizer_config.json").read_text() == '{"first": true}'
+    assert [p.name for p in winner.parent.iterdir()] == ["key"]
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    tokenizer_module._save_tokenizer(_FolderWriter(), blocked / "tokenizers" / "key")
+    assert blocked.read_text() == ""
+
+    fresh = tmp_path / "fresh" / "key"
+    tokenizer_module._save_tokenizer(_FolderWriter(), fresh)
+    assert (fresh / "tokenizer_config.json").read_text() == '{"mine": true}'
+    assert [p.name for p in fresh.parent.iterdir()] == ["key"]
