@@ -85,7 +85,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # weights come from load_weights: no random init, whose normal_ on the meta device
+        # imported torch._dynamo, 3 s of every start
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(arch.vocab_size, arch.hidden_size), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
