@@ -53,15 +53,16 @@ inline void for_each_block(const int64_t* table, int64_t seq_len, int64_t block_
   }
 }
 
-// widen(out, rows, n), requesting the same bytes of `next` (unless null) a cache line at a
-// time along the way. Requested all at once, a block's 64 lines filled the core's queue of
-// misses and stalled it, then left memory idle while the block was computed on.
+// widen(out, rows, n) (unless out is null), requesting the same bytes of `next` (unless
+// null) a cache line at a time along the way. Requested all at once, a block's 64 lines
+// filled the core's queue of misses and stalled it, then left memory idle while the block
+// was computed on.
 template <typename C>
 inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
   constexpr int64_t kLine = 64 / sizeof(C);
   for (int64_t i = 0; i < n; i += kLine) {
     if (next != nullptr) __builtin_prefetch(next + i);
-    widen(out + i, rows + i, std::min(kLine, n - i));
+    if (out != nullptr) widen(out + i, rows + i, std::min(kLine, n - i));
   }
 }
 
@@ -226,9 +227,12 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
     return next < 0 ? after : rows + next * d;
   };
   for_each_block(table, seq_len, bs, [&](int64_t, int64_t slot, int64_t count, int64_t next) {
-    if (!score_with_dot_instruction<T, C, kDim>(scores, bs, query, keys + slot * d, count, group,
-                                                scale)) {
-      widen_prefetching(block_keys, keys + slot * d, next_rows(keys, after_keys, next), count * d);
+    const C* next_keys = next_rows(keys, after_keys, next);
+    if (score_with_dot_instruction<T, C, kDim>(scores, bs, query, keys + slot * d, count, group,
+                                               scale)) {
+      widen_prefetching<C>(nullptr, nullptr, next_keys, count * d);  // requests only
+    } else {
+      widen_prefetching(block_keys, keys + slot * d, next_keys, count * d);
       if (!score_eight_at_a_time<kDim>(scores, bs, q, block_keys, count, group)) {
         for (int64_t t = 0; t < count; ++t)
           for (int64_t g = 0; g < group; ++g)
@@ -236,7 +240,8 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
       }
     }
     for (int64_t g = 0; g < group; ++g) fold_block_scores(heads[g], scores + g * bs, count, d);
-    widen_prefetching(block_values, values + slot * d, next_rows(values, after_values, next), count * d);
+    widen_prefetching(block_values, values + slot * d, next_rows(values, after_values, next),
+                      count * d);
     for (int64_t g = 0; g < group; ++g) {
       add_weighted_rows<kDim>(heads[g].weighted, scores + g * bs, block_values, count, d);
     }
