@@ -4,10 +4,12 @@ dequantized model, through pagellm's CPU kernel."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from test_models import PagedCache, greedy_decode
@@ -16,11 +18,11 @@ from tiny_models import write_tiny_gguf
 import pagellm.model.gguf_weights as gguf_weights_module
 import pagellm.model.quantized as quantized_module
 from pagellm.kernels import cpu_kernels_available, int8_matmul_available
-from pagellm.model.arch import ArchConfig, arch_from_gguf
+from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.model.quantized import GroupQuantWeight, Linear, measure_max_tokens
+from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, measure_max_tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 needs_int8 = pytest.mark.skipif(not int8_matmul_available(),
@@ -140,6 +142,41 @@ def test_gguf_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[s
     for name, weight in grouped.items():  # q/k rows unpermuted like the dense ones
         assert weight.bits == (8 if "lm_head" in name or "embed" in name else 4)
         torch.testing.assert_close(weight.dequantize(), dense[name], atol=1e-6, rtol=0)
+
+
+def random_q4_k_blocks(rows: int, cols: int) -> np.ndarray:
+    """Q4_K blocks of random bytes (144 per 256 weights) with small positive fp16 d and dmin:
+    gguf-py has no Q4_K quantizer, only the reference dequantizer."""
+    rng = np.random.default_rng(rows + cols)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin
+        halves = rng.uniform(1e-3, 2e-2, size=len(blocks)).astype(np.float16)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_q4_k_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
+                                                 tmp_path: Path) -> None:
+    rows, cols = 24, 512
+    path = tmp_path / "q4_k.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", random_q4_k_blocks(rows, cols),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    config = json.loads((tiny_model_factory("llama") / "config.json").read_text())
+    [(name, weight)] = gguf_quantized_weights(reader, arch_from_hf_config(config))
+    assert name == "model.layers.0.mlp.up_proj.weight" and weight.bits == 4
+    reference = gguf.quants.dequantize(reader.tensors[0].data, gguf.GGMLQuantizationType.Q4_K)
+    reference = torch.from_numpy(reference.reshape(rows, cols))
+    torch.testing.assert_close(weight.dequantize(), reference, atol=1e-6, rtol=1e-6)
+    layer = Linear(cols, rows, bias=False)
+    layer.attach_quantized(weight, max_tokens=ANY_TOKENS)
+    x = torch.randn(5, cols)
+    torch.testing.assert_close(layer(x), x @ reference.T, atol=1e-4, rtol=1e-5)
 
 
 def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:

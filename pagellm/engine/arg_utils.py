@@ -42,7 +42,7 @@ _HELP = {
     "preemption_mode": "auto, swap or recompute: how a preempted request keeps its KV (swap "
                        "needs the second KV tier; auto picks the cheaper per request)",
     "gguf_quantized_max_tokens": "steps of at most this many tokens multiply a GGUF's "
-                                 "Q4_0/Q4_1/Q8_0 matrices as stored (pagellm's CPU kernel), "
+                                 "Q4_0/Q4_1/Q4_K/Q8_0 matrices as stored (pagellm's CPU kernel), "
                                  "the dequantized weights above; default: 4-bit ones under "
                                  "int8 activations at any size (no dequantized copy), others "
                                  "measured at start-up; 0: always the dequantized weights",

@@ -83,10 +83,13 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """The Q4_0 / Q4_1 / Q8_0 matrices as codes with per-32-column scales, under HF names.
+    """The Q4_0 / Q4_1 / Q4_K / Q8_0 matrices as codes with per-32-column scales, under HF
+    names.
 
     Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
-    Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes).
+    Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
+    Q4_K `d * sc * code - dmin * mn`, with 6-bit sc and mn per group of 32 and fp16 d and
+    dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer).
     """
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
@@ -102,7 +105,8 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
 
 
 def _blocks(tensor: gguf.ReaderTensor, header: int, code_bytes: int) -> tuple[np.ndarray, int, int]:
-    """The tensor's blocks of 32 weights as rows of bytes, and its (rows, cols)."""
+    """The tensor's blocks (of 32 weights, 256 for K-quants) as rows of bytes, and its
+    (rows, cols)."""
     rows, cols = (int(d) for d in reversed(tensor.shape))
     return np.asarray(tensor.data, dtype=np.uint8).reshape(-1, header + code_bytes), rows, cols
 
@@ -135,6 +139,26 @@ def _q8_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
                             zeros=None, bits=8)
 
 
+def _q4_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 256 weights: fp16 d and dmin; 12 bytes holding 8 six-bit scales and 8
+    six-bit mins (groups 0-3 in the low 6 bits of bytes 0-3 and 4-7; groups 4-7 with their
+    low 4 bits in bytes 8-11 and their top 2 in the spare bits of bytes 0-7); then 128
+    bytes of codes, each 32 bytes holding a group pair, the first group in the low nibbles."""
+    blocks, rows, cols = _blocks(tensor, 16, 128)
+    packed = blocks[:, 4:16]
+    low, high, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([low & 63, (extra & 0x0F) | ((low >> 6) << 4)], axis=1)
+    mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=1)
+    scale = _fp16(blocks, 0) * sc  # [blocks, 8]
+    zero = 8 * scale - _fp16(blocks, 2) * mn
+    pairs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    codes = np.concatenate([pairs & 0x0F, pairs >> 4], axis=2)  # [blocks, 4 pairs, 2, 32]
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=torch.from_numpy(zero.reshape(rows, cols // 32)), bits=4)
+
+
 _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_1: _q4_groups,
+                  gguf.GGMLQuantizationType.Q4_K: _q4_k_groups,
                   gguf.GGMLQuantizationType.Q8_0: _q8_groups}
