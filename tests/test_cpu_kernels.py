@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation, argmax)
-against the torch ops they replace, and the sampler's noise. (The paged decode attention kernel
+"""The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation, argmax,
+KV cache writes) against the torch ops they replace, and the sampler's noise. (The paged decode attention kernel
 is tested in test_attention.py.)"""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import argmax_rows, cpu_kernels_available, silu_and_mul
+from pagellm.kernels import argmax_rows, cpu_kernels_available, silu_and_mul, write_kv_cache
 from pagellm.model import layers
+from pagellm.model.attention import write_kv_with_torch_ops
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
 from pagellm.sample import noise
 
@@ -120,3 +121,40 @@ def test_argmax_rows_matches_torch_on_ties_infinities_and_nan() -> None:
     logits[7, 63:66] = 50.0  # tie across a chunk boundary
     assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
     assert argmax_rows(logits).tolist() == [int(logits[0].argmax()), 5, 130, 0, 999, 10, 0, 63]
+
+
+@pytest.mark.parametrize("model_dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                         torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kv_cache_write_matches_torch_exactly(model_dtype: torch.dtype,
+                                                  cache_dtype: torch.dtype) -> None:
+    """Keys and values as the model hands them over (views into the fused QKV output) land
+    in their slots with the torch path's rounding (NaN payloads aside): fp8 saturating, NaN
+    kept, other slots untouched."""
+    tokens, kv_heads, dim, blocks, block = 37, 3, 64, 16, 4
+    qkv = (torch.randn(tokens, (2 + 2 * kv_heads) * dim) * 4).to(model_dtype)
+    qkv[0, 2 * dim] = 1e5  # past every fp8 format's largest finite value
+    qkv[1, 2 * dim + 1] = -1e5
+    qkv[2, (2 + kv_heads) * dim + 5] = float("nan")
+    heads = qkv.view(tokens, -1, dim)
+    key, value = heads[:, 2:2 + kv_heads], heads[:, 2 + kv_heads:]
+    slots = torch.randperm(blocks * block)[:tokens]
+    expected = torch.randn(2, kv_heads, blocks, block, dim).to(cache_dtype)
+    written = expected.clone()
+    write_kv_with_torch_ops(expected, key, value, slots)
+    write_kv_cache(written, key, value, slots)
+    torch.testing.assert_close(written.float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+    cell = lambda kind, token, i: written[kind, 0, slots[token] // block,  # noqa: E731
+                                          slots[token] % block, i].float()
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert cell(0, 0, 0) == torch.finfo(cache_dtype).max
+        assert cell(0, 1, 1) == -torch.finfo(cache_dtype).max
+    assert cell(1, 2, 5).isnan()
+
+
+def test_kv_cache_write_rejects_a_slot_outside_the_cache() -> None:
+    cache = torch.zeros(2, 1, 2, 4, 8)
+    rows = torch.ones(1, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv_cache(cache, rows, rows, torch.tensor([8]))
+    assert not cache.any()

@@ -25,7 +25,7 @@ _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
-                                      "prefill_attention.cpp")]
+                                      "prefill_attention.cpp", "write_kv.cpp")]
 _HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
@@ -93,6 +93,13 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     out = torch.empty_like(query)
     torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
     return out.view(query.shape[0], -1)
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """key, value [T, KVH, D] (rows contiguous) -> their slots of kv_cache [2, KVH, blocks,
+    block_size, D], rounded to its dtype."""
+    torch.ops.pagellm.write_kv_cache(kv_cache, key, value, slot_mapping)
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ inline float load(const c10::BFloat16* p, int64_t i) {
   return bits_to_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16);
 }
 
-// fp8 KV caches (read only). The code's exponent and mantissa bits are placed in a
+// fp8 KV caches. Reading: the code's exponent and mantissa bits are placed in a
 // float32's and the result rescaled by 2^(127 - bias): exact for every finite code,
 // subnormals included.
 inline float fp8_to_float(uint8_t code, int mantissa_bits, float rebias) {
@@ -64,6 +64,18 @@ inline void store(float* p, int64_t i, float value) { p[i] = value; }
 inline void store(c10::Half* p, int64_t i, float value) { p[i] = static_cast<c10::Half>(value); }
 inline void store(c10::BFloat16* p, int64_t i, float value) {
   reinterpret_cast<uint16_t*>(p)[i] = bfloat16_bits(value);
+}
+// Writing: c10's rounding (torch's casts), past the largest finite value saturated to it
+// (a cast would give NaN in e4m3fn and infinity in e5m2); NaN stays NaN.
+template <typename F8>
+inline F8 saturated_fp8(float value, float largest) {
+  return static_cast<F8>(value > largest ? largest : (value < -largest ? -largest : value));
+}
+inline void store(c10::Float8_e4m3fn* p, int64_t i, float value) {
+  p[i] = saturated_fp8<c10::Float8_e4m3fn>(value, 448.f);
+}
+inline void store(c10::Float8_e5m2* p, int64_t i, float value) {
+  p[i] = saturated_fp8<c10::Float8_e5m2>(value, 57344.f);
 }
 
 // A row of keys or values as float32.
@@ -168,7 +180,7 @@ void dispatch_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
 }
 
 // dispatch_dtype, plus the fp8 formats a KV cache may be stored in (c10::Float8_e4m3fn,
-// c10::Float8_e5m2), which kernels only read.
+// c10::Float8_e5m2).
 template <typename Fn>
 void dispatch_cache_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
   switch (x.scalar_type()) {

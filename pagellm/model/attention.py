@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels import (paged_decode_attention, paged_prefill_attention,
-                             prefill_attention_available, use_cpu_kernels)
+                             prefill_attention_available, use_cpu_kernels, write_kv_cache)
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -130,6 +130,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots, rounded to the
     cache's dtype where it is narrower than the model's."""
+    if use_cpu_kernels(kv_cache):
+        write_kv_cache(kv_cache, key, value, slot_mapping)
+    else:
+        write_kv_with_torch_ops(kv_cache, key, value, slot_mapping)
+
+
+def write_kv_with_torch_ops(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> None:
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     for half, rows in ((0, key), (1, value)):
         as_bytes(kv_cache[half]).view(num_kv_heads, -1, head_dim).index_copy_(
