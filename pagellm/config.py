@@ -25,7 +25,7 @@ class ModelConfig:
     served_model_name: str | None = None
     # steps up to this size multiply a GGUF's quantized matrices as stored; None: measured
     gguf_quantized_max_tokens: int | None = None
-    # multiply 4-bit codes with activations rounded to int8 (as llama.cpp does) in large steps
+    # multiply the codes with activations rounded to int8 (as llama.cpp does) in large steps
     gguf_int8_activations: bool = True
 
 

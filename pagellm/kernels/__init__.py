@@ -167,8 +167,8 @@ def int8_matmul_available() -> bool:
 
 def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                           zeros: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] rounded to int8 per 32 inputs @ W^T, W's 4-bit codes in the kernel's panels
-    (see quantized_linear_int8.cpp) -> [M, N]."""
+    """x [M, K] rounded to int8 per 32 inputs @ W^T, W's 4-bit (uint8 panels) or 8-bit (int8
+    panels) codes in the kernel's layout (see quantized_linear_int8.cpp) -> [M, N]."""
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.pagellm.quantized_linear_int8(out, x, panels, scales, zeros)

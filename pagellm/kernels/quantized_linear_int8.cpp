@@ -1,24 +1,31 @@
-// Many rows times 4-bit codes in integer arithmetic, as llama.cpp multiplies its quantized
-// matrices. Each row's activations are rounded to int8 per group of 32 inputs (scale d =
-// max |x| / 127); vpmaddubsw multiplies the codes (0..15) with those int8 values and adds
+// Many rows times 4-bit or 8-bit codes in integer arithmetic, as llama.cpp multiplies its
+// quantized matrices. Each row's activations are rounded to int8 per group of 32 inputs
+// (scale d = max |x| / 127); vpmaddubsw multiplies the codes with those int8 values and adds
 // pairs of products in int16; each group's integer sum is then scaled in float32:
 //   sum_i w_i x_i ~ sum_i w_i (d q_i)
-//                 = scale * d * sum_i code_i q_i + (zero - 8 * scale) * d * sum_i q_i.
+//                 = scale * d * sum_i code_i q_i + (zero - offset * scale) * d * sum_i q_i.
 // The second sum is of the rounded activations too: with the exact ones, the rounding
 // errors of the first would no longer meet the centered weights (code - 8) and cancel, and
 // the error of a SmolLM2 projection grows 2-4 times. On AVX2 this does twice the
 // multiply-adds per cycle of float32 FMAs; the price is the activations' rounding to 8 bits.
 //
+// 4-bit codes (0..15, unsigned): a lane adds 16 products of at most 15 * 127 in int16 for
+// a whole group, which stays below 2^15. 8-bit codes (-128..127, signed: Q8_0) cannot be
+// vpmaddubsw's unsigned operand, so it gets |code| and the activations take the codes'
+// signs (vpsignb); a pair of products can reach 2 * 128 * 127, so each is widened to int32
+// at once (vpmaddwd). That is twice the instructions of 4-bit codes, still fewer cycles
+// than float32 FMAs.
+//
 // The codes come in panels of 16 output features, unpacked at load time into the bytes
 // vpmaddubsw wants (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16
 // features' 4 codes side by side (two vectors). Register tiles of 4 rows x 16 features
-// keep their sums in int16 for a whole group: a lane adds 16 products of at most 15 * 127,
-// which stays below 2^15. The rounded activations are stored interleaved by tile (4 inputs
-// of each of the tile's rows in turn), so a tile reads one stream rather than four.
+// keep their sums in registers for a whole group. The rounded activations are stored
+// interleaved by tile (4 inputs of each of the tile's rows in turn), so a tile reads one
+// stream rather than four.
 //
-// panels: [P, K / 32, 8, 16, 4] uint8, panels[p, g, j, f, b] = code of feature 16p + f for
-// input 32g + 4j + b (0 past N); scales, zeros: [P, K / 32, 16] float32, a group's scale and
-// zero - 8 * scale (0 past N).
+// panels: [P, K / 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit codes), panels[p, g, j,
+// f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); scales, zeros: [P,
+// K / 32, 16] float32, a group's scale and zero - offset * scale (0 past N).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -111,19 +118,18 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k) {
 }
 
 // One panel of the prepacked tensors.
+template <typename Code>
 struct Int8Panel {
-  const uint8_t* codes;  // [K / 32, 8, 16, 4]
+  const Code* codes;     // [K / 32, 8, 16, 4]
   const float* scales;   // [K / 32, 16]
   const float* zeros;    // [K / 32, 16]
 };
 
-// out[16] += the group's integer sums (int16 pairs) scaled by the panel's scale times d,
-// plus the panel's zero times the group's activation sum.
-inline void add_group(__m256i pairs0, __m256i pairs1, float d, float sum, const float* scales,
+// out[16] += a group's integer sums (int32, 8 features each) scaled by the panel's scale
+// times d, plus the panel's zero times the group's activation sum.
+inline void add_group(const __m256i (&sums)[2], float d, float sum, const float* scales,
                       const float* zeros, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256 row_scale = _mm256_set1_ps(d), row_sum = _mm256_set1_ps(sum);
-  const __m256i sums[2] = {_mm256_madd_epi16(pairs0, ones), _mm256_madd_epi16(pairs1, ones)};
   for (int h = 0; h < 2; ++h) {
     __m256 acc = _mm256_loadu_ps(out + 8 * h);
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * h), row_scale);
@@ -143,26 +149,19 @@ inline __m256i broadcast4(const int8_t* p) {
 // over products it spills to memory.
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
-// out[r * 16 + f] += sum over groups [g0, g1) for the rows of tile `tile` and the panel's
-// 16 features. Inlined: a call per tile and chunk cost about 5%.
-__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
-                                                     int64_t k, const Int8Panel& panel,
-                                                     int64_t g0, int64_t g1, float* out) {
+// One group of a tile: sums[r][h] = the int32 sums of row r's products with features
+// 8h..8h+7, over the group's 32 inputs.
+template <typename Code>
+__attribute__((always_inline)) inline void group_sums(const Code* codes, const int8_t* inputs,
+                                                      __m256i (&sums)[kInt8TileRows][2]) {
   constexpr int R = kInt8TileRows;
-  const int64_t groups = k / kGroup;
-  const int8_t* x = rows.values.data() + tile * k * R;
-  const float* scales_of_rows = rows.scales.data() + tile * groups * R;
-  const float* sums_of_rows = rows.sums.data() + tile * groups * R;
-  for (int64_t g = g0; g < g1; ++g) {
-    __m256i sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-    const uint8_t* codes = panel.codes + g * 8 * 64;
-    const int8_t* inputs = x + g * kGroup * R;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-      const __m256i w1 =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+  for (int j = 0; j < 8; ++j) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
+    if constexpr (std::is_same_v<Code, uint8_t>) {  // int16 sums, widened once per group
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256i b = broadcast4(inputs + (j * R + r) * 4);
@@ -171,19 +170,54 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
         keep_in_register(sums[r][0]);
         keep_in_register(sums[r][1]);
       }
-    }
-    const float* scales = panel.scales + g * kPanel;
-    const float* zeros = panel.zeros + g * kPanel;
+    } else {  // signed codes: |code| times the activations with the codes' signs, to int32
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = broadcast4(inputs + (j * R + r) * 4);
+        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
+        sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(p0, ones));
+        sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(p1, ones));
+        keep_in_register(sums[r][0]);
+        keep_in_register(sums[r][1]);
+      }
+    }
+  }
+  if constexpr (std::is_same_v<Code, uint8_t>) {
     for (int r = 0; r < R; ++r) {
-      add_group(sums[r][0], sums[r][1], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
-                scales, zeros, out + r * kPanel);
+      sums[r][0] = _mm256_madd_epi16(sums[r][0], ones);
+      sums[r][1] = _mm256_madd_epi16(sums[r][1], ones);
     }
   }
 }
 
-template <typename T>
-void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* panel_codes,
+// out[r * 16 + f] += sum over groups [g0, g1) for the rows of tile `tile` and the panel's
+// 16 features. Inlined: a call per tile and chunk cost about 5%.
+template <typename Code>
+__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
+                                                     int64_t k, const Int8Panel<Code>& panel,
+                                                     int64_t g0, int64_t g1, float* out) {
+  constexpr int R = kInt8TileRows;
+  const int64_t groups = k / kGroup;
+  const int8_t* x = rows.values.data() + tile * k * R;
+  const float* scales_of_rows = rows.scales.data() + tile * groups * R;
+  const float* sums_of_rows = rows.sums.data() + tile * groups * R;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i sums[R][2];
+    group_sums<Code>(panel.codes + g * 8 * 64, x + g * kGroup * R, sums);
+    const float* scales = panel.scales + g * kPanel;
+    const float* zeros = panel.zeros + g * kPanel;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      add_group(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r], scales, zeros,
+                out + r * kPanel);
+    }
+  }
+}
+
+template <typename T, typename Code>
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
          const float* panel_scales, const float* panel_zeros) {
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
@@ -195,7 +229,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* panel
       const int64_t block = std::min(block_rows, padded - m0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        const Int8Panel panel{panel_codes + p * kPanel * k, panel_scales + p * groups * kPanel,
+        const Int8Panel<Code> panel{panel_codes + p * kPanel * k, panel_scales + p * groups * kPanel,
                               panel_zeros + p * groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
@@ -221,9 +255,12 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                   y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
               "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
-  TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() && panels.scalar_type() == at::kByte &&
+  const bool signed_codes = panels.scalar_type() == at::kChar;
+  TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() &&
+                  (signed_codes || panels.scalar_type() == at::kByte) &&
                   panels.numel() == count * kPanel * k,
-              "quantized_linear_int8: panels must be uint8 [ceil(N / 16), K / 32, 8, 16, 4]");
+              "quantized_linear_int8: panels must be uint8 (4-bit codes) or int8 (8-bit codes) "
+              "[ceil(N / 16), K / 32, 8, 16, 4]");
   for (const at::Tensor* t : {&scales, &zeros}) {
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
                     t->numel() == count * (k / kGroup) * kPanel,
@@ -232,9 +269,15 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
   }
   pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
     using T = decltype(tag);
-    run<T>(y.mutable_data_ptr<T>(), x.const_data_ptr<T>(), m, k, n,
-           panels.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-           zeros.const_data_ptr<float>());
+    T* out = y.mutable_data_ptr<T>();
+    const T* in = x.const_data_ptr<T>();
+    const float* s = scales.const_data_ptr<float>();
+    const float* z = zeros.const_data_ptr<float>();
+    if (signed_codes) {
+      run<T, int8_t>(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+    } else {
+      run<T, uint8_t>(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+    }
   });
 }
 

@@ -75,10 +75,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                gguf_quantized_max_tokens: int | None = 0,
                gguf_int8_activations: bool = False) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
-    quantized matrices as stored; None measures where that stops paying (4-bit ones under
-    int8 activations: never, so they get no float weights), 0 never does.
-    `gguf_int8_activations`: those of 12 tokens or more round the activations to int8 for
-    4-bit matrices."""
+    quantized matrices as stored; None measures where that stops paying (under int8
+    activations: never, so they get no float weights), 0 never does.
+    `gguf_int8_activations`: those of 12 tokens or more round the activations to int8."""
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.suffix == ".gguf":
@@ -135,7 +134,7 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
     extra = sum(layer.quantized_bytes() for layer in both) / (1 << 20)
     only = len(layers) - len(both)
     int8 = any(layer.int8_panels is not None for layer in layers)
-    arithmetic = "4-bit ones with int8 activations" if int8 else "in float"
+    arithmetic = "with int8 activations" if int8 else "in float"
     logger.info("Steps multiply the GGUF's quantized weights of %d projections (%s); %d keep "
                 "only those, %d also keep float ones (%.1f MiB more memory); tokens per step %s",
                 len(layers), arithmetic, only, len(both), extra, how)

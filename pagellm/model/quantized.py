@@ -10,11 +10,12 @@ tokens, up to a size measured at start-up (`measure_max_tokens`). The quantized
 form holds the file's exact codes and scales: both compute with the same weights.
 
 With int8 activations (the engine's default for GGUF files), a large step multiplies
-4-bit codes with its activations rounded to int8 per 32 inputs, as llama.cpp does:
-twice float32's multiply-adds per cycle on AVX2, no longer exactly the dequantized
-model. Those layers also keep their codes unpacked into the int8 kernel's panels, and
-unless a maximum is set, they keep nothing else: at every step size they beat the float
-weights they would otherwise hold (8x their bytes), so the loader never builds those.
+the codes with its activations rounded to int8 per 32 inputs, as llama.cpp does: on
+AVX2, twice float32's multiply-adds per cycle for 4-bit codes, about 1.2x for 8-bit
+ones; no longer exactly the dequantized model. Those layers also keep their codes
+unpacked into the int8 kernel's panels, and unless a maximum is set, they keep nothing
+else: at every step size they beat the float weights they would otherwise hold (4-8x
+their bytes), so the loader never builds those.
 """
 
 from __future__ import annotations
@@ -91,10 +92,9 @@ class GroupQuantWeight:
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
     def int8_panels(self) -> Int8Panels:
-        """4-bit codes as the int8 kernel reads them (see Int8Panels)."""
-        if self.bits != 4:
-            raise ValueError("only 4-bit codes are multiplied in int8")
-        zeros = -8 * self.scales if self.zeros is None else self.zeros - 8 * self.scales
+        """The codes as the int8 kernel reads them (see Int8Panels)."""
+        zeros = -self.offset * self.scales
+        zeros = zeros if self.zeros is None else self.zeros + zeros
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 4, 4)
         return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(),
@@ -110,11 +110,12 @@ def _by_panel(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8Panels:
-    """A 4-bit matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
+    """A matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
     codes[p, g, j, f, b] = code of row 16p + f for input 32g + 4j + b; per group, each
-    row's scale and zero - 8 * scale, so that w = code * scale + (zero - 8 * scale)."""
+    row's scale and zero - offset * scale, so that w = code * scale + (zero - offset *
+    scale)."""
 
-    codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8
+    codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit)
     scales: torch.Tensor  # [P, in // 32, 16] float32
     zeros: torch.Tensor  # [P, in // 32, 16] float32
 
@@ -132,13 +133,13 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.quantized: GroupQuantWeight | None = None  # codes in the kernel's layout
         self.quantized_max_tokens = 0
-        # 4-bit codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
+        # the codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
         self.int8_panels: Int8Panels | None = None
         self.dense_released = False
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False) -> None:
-        """`int8_activations` applies to 4-bit codes, where the CPU has the int8 kernel."""
+        """`int8_activations` applies where the CPU has the int8 kernel."""
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
@@ -146,7 +147,7 @@ class Linear(nn.Linear):
         self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
                                           weight.bits)
         self.quantized_max_tokens = max_tokens
-        use_int8 = int8_activations and weight.bits == 4 and int8_matmul_available()
+        use_int8 = int8_activations and int8_matmul_available()
         self.int8_panels = weight.int8_panels() if use_int8 else None
 
     def release_dense(self) -> None:
