@@ -69,9 +69,11 @@ class PagedCache:
         metadata = build_attention_metadata(
             query_lens, [self.lengths[r] for r, _ in chunks], [self.tables[r] for r, _ in chunks],
             torch.tensor(slots), self.block_size, CPU)
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metadata)
-            return model.compute_logits(hidden[torch.tensor(np.cumsum(query_lens) - 1)])
+        last_tokens = torch.tensor(np.cumsum(query_lens) - 1)
+        with torch.inference_mode():  # as the engine asks: the last layer's rows for those only
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metadata,
+                           output_rows=last_tokens)
+            return model.compute_logits(hidden)
 
 
 def greedy_decode(cache: PagedCache, model: LlamaForCausalLM, prefill_logits: torch.Tensor,
@@ -130,6 +132,26 @@ def test_chunked_prefill_mixed_with_decode(tiny_model_dir: Path) -> None:
 
     for ours, ids in ((first[0], long[:10]), (second[0], long), (second[1], short + [token])):
         torch.testing.assert_close(ours, reference_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_output_rows_are_those_rows_of_the_whole_forward(tiny_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_model_dir), torch.float32, CPU)
+    ids = loaded.tokenizer.encode(PROMPTS[2])
+    blocks = -(-len(ids) // 4)
+    metadata = build_attention_metadata([len(ids)], [len(ids)], [list(range(blocks))],
+                                        torch.arange(len(ids)), 4, CPU)
+    arch = loaded.arch
+    shape = kv_cache_shape(blocks, 4, arch.num_key_value_heads, arch.head_dim)
+    caches = [[torch.zeros(shape) for _ in range(arch.num_hidden_layers)] for _ in range(2)]
+    rows = torch.tensor([len(ids) - 1, 3])
+    with torch.inference_mode():
+        whole = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches[0], metadata)
+        some = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches[1], metadata,
+                            output_rows=rows)
+    assert some.shape == (2, arch.hidden_size)
+    torch.testing.assert_close(some, whole[rows], atol=1e-5, rtol=1e-5)
+    for ours, full in zip(caches[1], caches[0]):  # every token's keys and values, last layer too
+        assert torch.equal(ours, full)
 
 
 def test_gguf_conversion_matches_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:

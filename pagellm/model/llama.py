@@ -44,7 +44,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata, output_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Every token's keys and values go to the cache; the output is `output_rows`' only
+        (all rows if None)."""
         qkv = self.qkv_proj(x)
         num_tokens, q_size, kv_size = qkv.shape[0], *self.shard_sizes[:2]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +61,8 @@ class Attention(nn.Module):
             rotate_(qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim), angles)
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, metadata, scale=self.scale))
+        out = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale)
+        return self.o_proj(out if output_rows is None else out[output_rows])
 
 
 class DecoderLayer(nn.Module):
@@ -70,14 +74,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, angles: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (this layer's MLP output, the running sum before it): the next norm adds them."""
+                kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the running sum before it): the next norm adds them.
+        With `output_rows`, of those rows only (their keys and values are all cached)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, angles, kv_cache, metadata)
+        x = self.self_attn(x, angles, kv_cache, metadata, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -95,11 +102,17 @@ class DecoderModel(nn.Module):
                                           arch.rope_theta, arch.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer computes past its attention only the `output_rows` that are asked
+        for: a prompt's other tokens need nothing beyond their keys and values there, which
+        spares the o_proj and MLP of one layer in a prefill (2.8% of SmolLM2's)."""
         hidden, residual = self.embed_tokens(input_ids), None
         angles = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = output_rows if index == last else None
+            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata, rows)
         return self.norm(hidden, residual)[0]
 
 
@@ -113,9 +126,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        """Flat `[T]` token ids and positions -> final hidden states `[T, hidden]`."""
-        return self.model(input_ids, positions, kv_caches, metadata)
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat `[T]` token ids and positions -> final hidden states `[T, hidden]`, or
+        `[len(output_rows), hidden]` of those tokens only (every token's KV is cached)."""
+        return self.model(input_ids, positions, kv_caches, metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` -> float32 `[N, vocab]`."""

@@ -36,7 +36,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor
+    output_rows: torch.Tensor  # the last token of each item that samples
+    # for each sample, its row of output_rows; None when each item samples once
+    sample_rows: torch.Tensor | None
 
 
 class ModelRunner:
@@ -173,7 +175,8 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        logits_indices: list[int] = []
+        output_rows: list[int] = []
+        sample_rows: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         for item in step.scheduled:
@@ -186,7 +189,8 @@ class ModelRunner:
             query_lens.append(count)
             seq_lens.append(start + count)
             if item.samples:
-                logits_indices.extend([len(token_ids) - 1] * item.num_samples)
+                sample_rows.extend([len(output_rows)] * item.num_samples)
+                output_rows.append(len(token_ids) - 1)
         device = self.device
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
         metadata = build_attention_metadata(query_lens, seq_lens,
@@ -196,7 +200,9 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device))
+            output_rows=torch.tensor(output_rows, dtype=torch.long, device=device),
+            sample_rows=(None if len(sample_rows) == len(output_rows) else
+                         torch.tensor(sample_rows, dtype=torch.long, device=device)))
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -204,10 +210,13 @@ class ModelRunner:
         if step.is_empty:
             return output
         inputs = self.prepare_inputs(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        if inputs.logits_indices.numel() == 0:
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                            inputs.output_rows)
+        if inputs.output_rows.numel() == 0:
             return output
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden)
+        if inputs.sample_rows is not None:  # n > 1: the samples of one item share its logits
+            logits = logits[inputs.sample_rows]
         rows, owners = self._sampling_rows(step)
         metadata = build_sampling_metadata(rows, logits.shape[-1], self.device)
         sampled = self.sampler(logits, metadata, self.generator)
