@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 _GIB = 1 << 30
 _CPU_KV_ENV_VARS = ("PAGELLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
@@ -93,8 +91,3 @@ def parse_kv_transfer_config(text: str, block_size: int) -> int:
                          "(bytes of CPU memory for offloaded KV blocks).")
     return int(extra["cpu_bytes_to_use"])
 
-
-@dataclass
-class DeviceConfig:
-    device: torch.device = field(default_factory=lambda: torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu"))

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 _MAX_N = 128
 _MAX_TOP_LOGPROBS = 20
+
+
+class OutputKind(enum.Enum):
+    """What a request's outputs carry (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # every step, the whole output so far
+    DELTA = "delta"  # every step, only what is new (streaming)
+    FINAL_ONLY = "final_only"  # once, when all n sequences are done
 
 
 @dataclass

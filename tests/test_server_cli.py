@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,18 @@ def test_help_lists_verbs(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exited.value.code == 0
     assert "{serve,chat,bench}" in capsys.readouterr().out
+
+
+def test_parsing_flags_loads_neither_torch_nor_the_engine() -> None:
+    """`pagellm --help` and `bench serve` (a load generator, often on another machine) build
+    and parse every verb's flags without torch, transformers or the engine: 3 s of start."""
+    code = ("import sys; from pagellm.entrypoints.cli import build_parser; "
+            "build_parser().parse_args(['bench', 'serve', '--num-prompts', '4']); "
+            "print([m for m in ('torch', 'transformers', 'pagellm.engine.core') "
+            "if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=60)
+    assert result.stdout.strip() == "[]"
 
 
 def test_bad_flag_is_one_line_exit_2() -> None:

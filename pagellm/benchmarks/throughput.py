@@ -12,12 +12,13 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.entrypoints.llm import LLM
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine and torch load when a benchmark runs, not when `pagellm` parses
+    from pagellm.entrypoints.llm import LLM
 
 
 @dataclass
@@ -53,6 +54,8 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 def run(args: argparse.Namespace) -> list[ThroughputResult]:
+    from pagellm.entrypoints.llm import LLM
+
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.max_num_seqs = max(batch_sizes)
@@ -107,6 +110,7 @@ def run_hf_baseline(llm: LLM, args: argparse.Namespace,
     A GGUF runs in float32, which transformers' packed GGUF kernels recommend as
     their fastest; an HF folder runs in the engine's dtype.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = llm.engine.core.loaded.path

@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-import torch
-
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
-from pagellm.platform import resolve_kv_cache_dtype
 
 _GIB = 1 << 30
 
@@ -93,6 +90,12 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+        # imported here, not above: parsing flags (`pagellm --help`, `bench serve`) does
+        # without torch, 1.5 s to import
+        import torch
+
+        from pagellm.platform import resolve_kv_cache_dtype
+
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "

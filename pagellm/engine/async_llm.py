@@ -10,14 +10,14 @@ from typing import Any
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient, StepResult
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import (LOG_INTERVAL_SECONDS, LoggingStatLogger,
                                      PrometheusStatLogger, StatLogger)
 from pagellm.metrics.stats import IterationStats
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import OutputKind, SamplingParams
 from pagellm.tokenizer import apply_chat_template, load_chat_template
 
 logger = init_logger(__name__)

@@ -11,11 +11,11 @@ from pagellm.core.sched_output import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagellm.engine.output_processor import OutputKind, OutputProcessor
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
 from pagellm.platform import default_device
 from pagellm.request import RequestStatus, child_request_id
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import OutputKind, SamplingParams
 from pagellm.tokenizer import apply_chat_template, load_chat_template
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
@@ -11,13 +10,7 @@ from pagellm.detokenizer import IncrementalDetokenizer
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sample.sampler import TokenLogprobs
-from pagellm.sampling_params import SamplingParams
-
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # every step, the whole output so far
-    DELTA = "delta"  # every step, only what is new (streaming)
-    FINAL_ONLY = "final_only"  # once, when all n sequences are done
+from pagellm.sampling_params import OutputKind, SamplingParams
 
 
 @dataclass

@@ -16,9 +16,8 @@ from typing import Any, Protocol
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.logger import log_to_stderr
-from pagellm.engine.output_processor import OutputKind
 from pagellm.entrypoints.openai.cli_args import API_KEY_ENV_VARS
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import OutputKind, SamplingParams
 
 Messages = list[dict[str, Any]]
 

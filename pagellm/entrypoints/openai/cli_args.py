@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.tokenizer import load_chat_template
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "VLLM_API_KEY")
@@ -70,6 +69,8 @@ class ServerSettings:
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.served_model_name = names[0]
         # Checked before the engine starts, so a bad template fails in a second, not a minute.
+        from pagellm.tokenizer import load_chat_template  # transformers: only when serving
+
         engine_args.chat_template = load_chat_template(args.chat_template)
         api_key = args.api_key or next(
             (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
