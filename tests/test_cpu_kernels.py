@@ -1,6 +1,6 @@
 """The compiled CPU kernels (RMSNorm, fused add + RMSNorm, rotary, SwiGLU activation, argmax,
-KV cache writes) against the torch ops they replace, and the sampler's noise. (The paged decode attention kernel
-is tested in test_attention.py.)"""
+KV cache writes) against the torch ops they replace, and the sampler's noise. (The paged
+decode attention kernel is tested in test_attention.py.)"""
 
 from __future__ import annotations
 

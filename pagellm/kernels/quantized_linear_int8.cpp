@@ -229,8 +229,9 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
       const int64_t block = std::min(block_rows, padded - m0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        const Int8Panel<Code> panel{panel_codes + p * kPanel * k, panel_scales + p * groups * kPanel,
-                              panel_zeros + p * groups * kPanel};
+        const Int8Panel<Code> panel{panel_codes + p * kPanel * k,
+                                    panel_scales + p * groups * kPanel,
+                                    panel_zeros + p * groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
