@@ -85,8 +85,8 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
 
 @needs_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False)],
-                         ids=["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False), (8, True)],
+                         ids=["Q4_1", "Q4_0", "Q8_0", "Q5_K"])
 # From 12 tokens: tiles of 3 rows (13: a partial one), panels of 16 features (12 full and a
 # partial one), inputs in chunks (160 + 128), blocks of 192 rows (385: three). Below 12,
 # the float32 passes: no rounding.
@@ -141,24 +141,30 @@ def test_gguf_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[s
         torch.testing.assert_close(weight.dequantize(), dense[name], atol=1e-6, rtol=0)
 
 
-def random_q4_k_blocks(rows: int, cols: int) -> np.ndarray:
-    """Q4_K blocks of random bytes (144 per 256 weights) with small positive fp16 d and dmin:
-    gguf-py has no Q4_K quantizer, only the reference dequantizer."""
+def random_k_blocks(rows: int, cols: int, block_bytes: int) -> np.ndarray:
+    """K-quant blocks of random bytes (Q4_K: 144 per 256 weights, Q5_K: 176) with small
+    positive fp16 d and dmin: gguf-py has no K-quant quantizer, only the reference
+    dequantizer."""
     rng = np.random.default_rng(rows + cols)
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, block_bytes), dtype=np.uint8)
     for at in (0, 2):  # d, dmin
         halves = rng.uniform(1e-3, 2e-2, size=len(blocks)).astype(np.float16)
         blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
-def test_q4_k_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
-                                                 tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantization,block_bytes,bits",
+                         [(gguf.GGMLQuantizationType.Q4_K, 144, 4),
+                          (gguf.GGMLQuantizationType.Q5_K, 176, 8)], ids=["Q4_K", "Q5_K"])
+def test_k_quant_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
+                                                    tmp_path: Path,
+                                                    quantization: gguf.GGMLQuantizationType,
+                                                    block_bytes: int, bits: int) -> None:
     rows, cols = 24, 512
-    path = tmp_path / "q4_k.gguf"
+    path = tmp_path / "k_quant.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", random_q4_k_blocks(rows, cols),
-                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.ffn_up.weight", random_k_blocks(rows, cols, block_bytes),
+                      raw_dtype=quantization)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -166,14 +172,25 @@ def test_q4_k_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[s
     reader = gguf.GGUFReader(path)
     config = json.loads((tiny_model_factory("llama") / "config.json").read_text())
     [(name, weight)] = gguf_quantized_weights(reader, arch_from_hf_config(config))
-    assert name == "model.layers.0.mlp.up_proj.weight" and weight.bits == 4
-    reference = gguf.quants.dequantize(reader.tensors[0].data, gguf.GGMLQuantizationType.Q4_K)
+    assert name == "model.layers.0.mlp.up_proj.weight" and weight.bits == bits
+    reference = gguf.quants.dequantize(reader.tensors[0].data, quantization)
     reference = torch.from_numpy(reference.reshape(rows, cols))
     torch.testing.assert_close(weight.dequantize(), reference, atol=1e-6, rtol=1e-6)
     layer = Linear(cols, rows, bias=False)
     layer.attach_quantized(weight, max_tokens=ANY_TOKENS)
     x = torch.randn(5, cols)
     torch.testing.assert_close(layer(x), x @ reference.T, atol=1e-4, rtol=1e-5)
+
+
+def test_shards_of_mixed_widths_fuse_as_8_bit_codes() -> None:
+    """A projection whose shards come as 4-bit and 8-bit codes (Q4_K q/k with a Q5_K v)
+    keeps one quantized form: the 4-bit codes widened, the same weights."""
+    parts = [random_weight(4, 64, 96, with_zeros=True), random_weight(4, 32, 96, False),
+             random_weight(8, 32, 96, with_zeros=False)]
+    fused = GroupQuantWeight.cat(parts)
+    assert fused.bits == 8 and fused.codes.dtype == torch.int8
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]),
+                               atol=1e-7, rtol=0)
 
 
 def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:

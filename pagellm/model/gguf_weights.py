@@ -83,13 +83,14 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """The Q4_0 / Q4_1 / Q4_K / Q8_0 matrices as codes with per-32-column scales, under HF
-    names.
+    """The Q4_0 / Q4_1 / Q4_K / Q5_K / Q8_0 matrices as codes with per-32-column scales,
+    under HF names.
 
     Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
     Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
-    Q4_K `d * sc * code - dmin * mn`, with 6-bit sc and mn per group of 32 and fp16 d and
-    dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer).
+    Q4_K and Q5_K `d * sc * code - dmin * mn`, with 6-bit sc and mn per group of 32 and fp16
+    d and dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer). Q5_K's
+    5-bit codes are kept as 8-bit ones.
     """
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
@@ -139,26 +140,51 @@ def _q8_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
                             zeros=None, bits=8)
 
 
-def _q4_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
-    """Blocks of 256 weights: fp16 d and dmin; 12 bytes holding 8 six-bit scales and 8
+def _k_scales_and_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant block's fp16 d and dmin, then 12 bytes holding 8 six-bit scales and 8
     six-bit mins (groups 0-3 in the low 6 bits of bytes 0-3 and 4-7; groups 4-7 with their
-    low 4 bits in bytes 8-11 and their top 2 in the spare bits of bytes 0-7); then 128
-    bytes of codes, each 32 bytes holding a group pair, the first group in the low nibbles."""
-    blocks, rows, cols = _blocks(tensor, 16, 128)
+    low 4 bits in bytes 8-11 and their top 2 in the spare bits of bytes 0-7) -> each group's
+    d * sc and dmin * mn, [blocks, 8]."""
     packed = blocks[:, 4:16]
     low, high, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     sc = np.concatenate([low & 63, (extra & 0x0F) | ((low >> 6) << 4)], axis=1)
     mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=1)
-    scale = _fp16(blocks, 0) * sc  # [blocks, 8]
-    zero = 8 * scale - _fp16(blocks, 2) * mn
-    pairs = blocks[:, 16:].reshape(-1, 4, 1, 32)
-    codes = np.concatenate([pairs & 0x0F, pairs >> 4], axis=2)  # [blocks, 4 pairs, 2, 32]
+    return _fp16(blocks, 0) * sc, _fp16(blocks, 2) * mn
+
+
+def _k_nibbles(packed: np.ndarray) -> np.ndarray:
+    """128 bytes per block, each 32 holding a group pair, the first group in the low
+    nibbles -> [blocks, 8 groups, 32]."""
+    pairs = packed.reshape(-1, 4, 1, 32)
+    return np.concatenate([pairs & 0x0F, pairs >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _q4_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 256 weights: scales and mins (_k_scales_and_mins), then 128 bytes of
+    codes (_k_nibbles)."""
+    blocks, rows, cols = _blocks(tensor, 16, 128)
+    scale, minimum = _k_scales_and_mins(blocks)
+    codes = _k_nibbles(blocks[:, 16:])
     return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
                             scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
-                            zeros=torch.from_numpy(zero.reshape(rows, cols // 32)), bits=4)
+                            zeros=torch.from_numpy((8 * scale - minimum).reshape(rows, cols // 32)),
+                            bits=4)
+
+
+def _q5_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 256 weights: scales and mins (_k_scales_and_mins); 32 bytes whose bit g of
+    byte i is the fifth bit of group g's code i; then the low 4 bits as Q4_K's codes."""
+    blocks, rows, cols = _blocks(tensor, 48, 128)
+    scale, minimum = _k_scales_and_mins(blocks)
+    high_bits = (blocks[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    codes = (_k_nibbles(blocks[:, 48:]) | (high_bits << 4)).astype(np.int8)
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=torch.from_numpy(-minimum.reshape(rows, cols // 32)), bits=8)
 
 
 _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_1: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_K: _q4_k_groups,
+                  gguf.GGMLQuantizationType.Q5_K: _q5_k_groups,
                   gguf.GGMLQuantizationType.Q8_0: _q8_groups}

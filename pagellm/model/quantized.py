@@ -64,11 +64,20 @@ class GroupQuantWeight:
         zeros = None if self.zeros is None else fn(self.zeros)
         return GroupQuantWeight(fn(self.codes), fn(self.scales), zeros, self.bits)
 
+    def as_8_bit(self) -> GroupQuantWeight:
+        """The same weights as 8-bit codes: 4-bit codes (code - 8) * scale + zero are codes
+        0..15 with zero - 8 * scale."""
+        if self.bits == 8:
+            return self
+        zeros = -8 * self.scales if self.zeros is None else self.zeros - 8 * self.scales
+        return GroupQuantWeight(self.codes.to(torch.int8), self.scales, zeros, 8)
+
     @staticmethod
     def cat(parts: Sequence[GroupQuantWeight]) -> GroupQuantWeight:
-        """Stack along the output rows, as fused projections do."""
+        """Stack along the output rows, as fused projections do; parts of mixed widths (a
+        K-quant file's Q4_K and Q5_K shards of one projection) as 8-bit codes."""
         if len({p.bits for p in parts}) != 1:
-            raise ValueError("cannot fuse matrices quantized with different bit widths")
+            parts = [p.as_8_bit() for p in parts]
         zeros = None
         if any(p.zeros is not None for p in parts):
             zeros = torch.cat([torch.zeros_like(p.scales) if p.zeros is None else p.zeros
