@@ -64,13 +64,17 @@ class GroupQuantWeight:
         zeros = None if self.zeros is None else fn(self.zeros)
         return GroupQuantWeight(fn(self.codes), fn(self.scales), zeros, self.bits)
 
+    def folded_zeros(self) -> torch.Tensor:
+        """Each group's zero with the offset folded in: w = code * scale + folded zero."""
+        zeros = -self.offset * self.scales
+        return zeros if self.zeros is None else self.zeros + zeros
+
     def as_8_bit(self) -> GroupQuantWeight:
-        """The same weights as 8-bit codes: 4-bit codes (code - 8) * scale + zero are codes
-        0..15 with zero - 8 * scale."""
+        """The same weights as 8-bit codes (4-bit codes 0..15, offset folded into the
+        zeros)."""
         if self.bits == 8:
             return self
-        zeros = -8 * self.scales if self.zeros is None else self.zeros - 8 * self.scales
-        return GroupQuantWeight(self.codes.to(torch.int8), self.scales, zeros, 8)
+        return GroupQuantWeight(self.codes.to(torch.int8), self.scales, self.folded_zeros(), 8)
 
     @staticmethod
     def cat(parts: Sequence[GroupQuantWeight]) -> GroupQuantWeight:
@@ -102,8 +106,7 @@ class GroupQuantWeight:
 
     def int8_panels(self) -> Int8Panels:
         """The codes as the int8 kernel reads them (see Int8Panels)."""
-        zeros = -self.offset * self.scales
-        zeros = zeros if self.zeros is None else self.zeros + zeros
+        zeros = self.folded_zeros()
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 4, 4)
         return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(),
