@@ -10,13 +10,13 @@ if TYPE_CHECKING:
     from pagellm.outputs import CompletionOutput, RequestOutput
     from pagellm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 # Resolved on first use, so that `pagellm bench serve` and `--help` (which import only
 # submodules) do not load torch and the engine: about 3 s.
 _EXPORTS = {"LLM": "pagellm.entrypoints.llm", "SamplingParams": "pagellm.sampling_params",
             "RequestOutput": "pagellm.outputs", "CompletionOutput": "pagellm.outputs"}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -28,11 +28,11 @@ template <typename T, typename C>
 void write(C* cache, const Rows& keys, const Rows& values, const int64_t* slots,
            int64_t tokens, int64_t heads, int64_t dim, int64_t head_plane) {
   const int64_t half = heads * head_plane;  // keys, then values
+  const Rows* sources[2] = {&keys, &values};
   at::parallel_for(0, tokens * heads, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / heads, h = row % heads;
       C* key_slot = cache + h * head_plane + slots[t] * dim;
-      const Rows* sources[2] = {&keys, &values};
       for (int kind = 0; kind < 2; ++kind) {
         const T* source = static_cast<const T*>(sources[kind]->data) +
                           t * sources[kind]->token_stride + h * sources[kind]->head_stride;
@@ -60,11 +60,10 @@ void write_kv_cache(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor
                   slot_mapping.numel() == key.size(0),
               "write_kv_cache: slot_mapping must be [T] int64");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
-  const int64_t head_plane = kv_cache.size(2) * kv_cache.size(3) * dim;
+  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
   const Rows keys{key.const_data_ptr(), key.stride(0), key.stride(1)};
   const Rows values{value.const_data_ptr(), value.stride(0), value.stride(1)};
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
                 " is outside the cache's ", num_slots);
@@ -73,7 +72,7 @@ void write_kv_cache(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor
     pagellm::dispatch_cache_dtype(kv_cache, "write_kv_cache", [&](auto cache_tag) {
       using C = decltype(cache_tag);
       write<decltype(source_tag), C>(kv_cache.mutable_data_ptr<C>(), keys, values, slots,
-                                     tokens, heads, dim, head_plane);
+                                     tokens, heads, dim, num_slots * dim);
     });
   });
 }
