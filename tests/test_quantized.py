@@ -16,6 +16,7 @@ from test_models import PagedCache, greedy_decode
 from tiny_models import write_tiny_gguf
 
 import pagellm.model.gguf_weights as gguf_weights_module
+import pagellm.model.loader as loader_module
 import pagellm.model.quantized as quantized_module
 from pagellm.kernels import cpu_kernels_available, int8_matmul_available
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
@@ -252,6 +253,22 @@ def test_max_tokens_are_measured_per_layer_shape() -> None:
         sizes["1024x512 Q4"], sizes["1024x512 Q4"], sizes["1024x1024 Q4"]]
 
 
+@needs_int8
+def test_the_int8_probe_answers_for_whole_shapes_and_only_int8_layers() -> None:
+    """One layer per shape is timed; the verdict covers every layer of that shape, and a
+    layer without int8 panels is never among the winners."""
+    layers = []
+    for rows, int8 in ((512, True), (512, True), (256, True), (512, False)):
+        layer = Linear(1024, rows, bias=False)
+        layer.attach_quantized(random_weight(4, rows, 1024, with_zeros=True), max_tokens=0,
+                               int8_activations=int8)
+        layers.append(layer)
+    winners = quantized_module.int8_beats_dense(layers, torch.float32)
+    assert layers[3] not in winners
+    assert (layers[0] in winners) == (layers[1] in winners)
+    assert set(winners) <= set(layers[:3])
+
+
 def teacher_forced_logits(model: LlamaForCausalLM, arch: ArchConfig, dtype: torch.dtype,
                           prompts: list[list[int]], continuations: list[list[int]]) -> torch.Tensor:
     """Logits of each step when both requests are fed the given continuations, 2 tokens a step."""
@@ -341,24 +358,46 @@ def test_smollm2_int8_prefill_stays_about_as_close_to_float32_as_bf16(smollm2_gg
     assert 0 < errors["int8"] <= 4 * errors["bf16"]
 
 
-@needs_int8
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # output projection: own, tied
-def test_int8_projections_keep_only_their_quantized_weights(
-        tiny_model_factory: Callable[[str], Path], tmp_path: Path, model_type: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the step sizes left to measure, a 4-bit projection under int8 activations never
-    gets float weights (they are not even dequantized), yet computes what it computed with
-    both forms; a tied output projection keeps them, as they are also the embeddings."""
-    folder = tiny_model_factory(model_type)
-    path = str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q4_1, embedding_quantization=Q4_1))
-    both = load_model(path, torch.float32, CPU, tokenizer=str(folder),
-                      gguf_quantized_max_tokens=1024, gguf_int8_activations=True)
+def load_measured_int8(path: str, folder: Path, monkeypatch: pytest.MonkeyPatch,
+                       int8_wins: bool) -> tuple[LoadedModel, list[str]]:
+    """The GGUF with step sizes left to measure under int8 activations, the probe's verdict
+    forced (it is a timing), and the names of the tensors that were dequantized."""
+    monkeypatch.setattr(loader_module, "int8_beats_dense",
+                        lambda layers, dtype: list(layers) if int8_wins else [])
     dequantized: list[str] = []
     dequantize = gguf_weights_module._dequantized
     monkeypatch.setattr(gguf_weights_module, "_dequantized",
                         lambda tensor: dequantized.append(tensor.name) or dequantize(tensor))
-    only = load_model(path, torch.float32, CPU, tokenizer=str(folder),
-                      gguf_quantized_max_tokens=None, gguf_int8_activations=True)
+    loaded = load_model(path, torch.float32, CPU, tokenizer=str(folder),
+                        gguf_quantized_max_tokens=None, gguf_int8_activations=True)
+    return loaded, dequantized
+
+
+def assert_same_outputs(loaded: LoadedModel, reference: LoadedModel) -> None:
+    prompts = [list(range(3, 30)), list(range(50, 58))]
+    results = {}
+    for label, model in (("loaded", loaded), ("reference", reference)):
+        cache = PagedCache(model.arch)
+        prefill = cache.step(model.model, list(enumerate(prompts)))
+        results[label] = (prefill, greedy_decode(cache, model.model, prefill, 8))
+    torch.testing.assert_close(results["loaded"][0], results["reference"][0], atol=1e-6, rtol=0)
+    assert results["loaded"][1] == results["reference"][1]
+
+
+@needs_int8
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # output projection: own, tied
+def test_int8_projections_that_beat_dense_keep_only_their_quantized_weights(
+        tiny_model_factory: Callable[[str], Path], tmp_path: Path, model_type: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the int8 path beats the dense matmul, a 4-bit projection under int8
+    activations never gets float weights (they are not even dequantized), yet computes what
+    it computed with both forms; a tied output projection keeps them, as they are also the
+    embeddings."""
+    folder = tiny_model_factory(model_type)
+    path = str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q4_1, embedding_quantization=Q4_1))
+    both = load_model(path, torch.float32, CPU, tokenizer=str(folder),
+                      gguf_quantized_max_tokens=1024, gguf_int8_activations=True)
+    only, dequantized = load_measured_int8(path, folder, monkeypatch, int8_wins=True)
     tied = model_type == "qwen2"
     assert only.model.lm_head_is_tied == tied
     names = [t.name for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"]
@@ -369,11 +408,33 @@ def test_int8_projections_keep_only_their_quantized_weights(
     assert released == [True] * 4 * only.arch.num_hidden_layers + [not tied]
     assert only.model.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
     assert only.model.weight_bytes() < both.model.weight_bytes()
-    prompts = [list(range(3, 30)), list(range(50, 58))]
-    results = {}
-    for label, loaded in (("both", both), ("only", only)):
-        cache = PagedCache(loaded.arch)
-        prefill = cache.step(loaded.model, list(enumerate(prompts)))
-        results[label] = (prefill, greedy_decode(cache, loaded.model, prefill, 8))
-    torch.testing.assert_close(results["only"][0], results["both"][0], atol=1e-6, rtol=0)
-    assert results["only"][1] == results["both"][1]
+    assert_same_outputs(only, both)
+
+
+@needs_int8
+def test_int8_projections_that_lose_to_dense_keep_float_weights_and_measured_forms(
+        tiny_model_factory: Callable[[str], Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the dense matmul wins (AMX), every projection loads its float weights, gets a
+    measured step size, and keeps only the forms that size uses: int8 panels from
+    INT8_MIN_TOKENS on, codes above 0. The results are those of the same sizes set by hand."""
+    folder = tiny_model_factory("llama")
+    path = str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q4_1, embedding_quantization=Q4_1))
+    measured, dequantized = load_measured_int8(path, folder, monkeypatch, int8_wins=False)
+    names = [t.name for t in gguf.GGUFReader(path).tensors if t.name != "rope_freqs.weight"]
+    assert sorted(dequantized) == sorted(n for n in names if not n.endswith(".bias"))
+    layers = [m for m in measured.model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 4 * measured.arch.num_hidden_layers + 1
+    for layer in layers:
+        assert not layer.dense_released and layer.weight.numel() > 0
+        size = layer.quantized_max_tokens
+        assert size in {0, *quantized_module.CANDIDATE_MAX_TOKENS[:-1], ANY_TOKENS}
+        assert (layer.quantized is not None) == (size > 0)
+        assert (layer.int8_panels is not None) == (size >= quantized_module.INT8_MIN_TOKENS)
+    by_hand = load_model(path, torch.float32, CPU, tokenizer=str(folder),
+                         gguf_quantized_max_tokens=1024, gguf_int8_activations=True)
+    for layer, twin in zip(layers, (m for m in by_hand.model.modules() if isinstance(m, Linear)),
+                           strict=True):
+        twin.quantized_max_tokens = layer.quantized_max_tokens
+        twin.drop_unused_forms()
+    assert_same_outputs(measured, by_hand)

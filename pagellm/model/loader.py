@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear,
+from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear, int8_beats_dense,
                                      measure_max_tokens, quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
@@ -76,7 +76,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                gguf_int8_activations: bool = False) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
     quantized matrices as stored; None measures where that stops paying (under int8
-    activations: never, so they get no float weights), 0 never does.
+    activations, where the int8 path wins at every size, those get no float weights), 0
+    never does.
     `gguf_int8_activations`: those of 12 tokens or more round the activations to int8."""
     path = resolve_model_path(model)
     start = time.perf_counter()
@@ -87,7 +88,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         layers = []
         if gguf_quantized_max_tokens != 0 and quantized_supported(device):
             layers = attach_quantized(net, gguf_quantized_weights(reader, arch),
-                                      gguf_quantized_max_tokens, gguf_int8_activations)
+                                      gguf_quantized_max_tokens, gguf_int8_activations, dtype)
         net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
         if layers:
             choose_quantized_sizes(layers, gguf_quantized_max_tokens, dtype)
@@ -106,14 +107,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
 
 def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQuantWeight]],
-                     max_tokens: int | None, int8_activations: bool) -> list[Linear]:
-    """Before the float weights load: a layer multiplied in int8 keeps only its quantized
-    form unless a maximum is set (the tied output projection excepted, whose float weight
-    is also the embedding table)."""
+                     max_tokens: int | None, int8_activations: bool,
+                     dtype: torch.dtype) -> list[Linear]:
+    """Before the float weights load: a layer whose int8 path beats the dense matmul keeps
+    only its quantized form unless a maximum is set (the tied output projection excepted,
+    whose float weight is also the embedding table)."""
     layers = net.attach_quantized_weights(weights, max_tokens or 0, int8_activations)
-    for layer in layers if max_tokens is None else ():
-        if layer.int8_panels is not None and not (layer is net.lm_head
-                                                  and net.arch.tie_word_embeddings):
+    for layer in int8_beats_dense(layers, dtype) if max_tokens is None else ():
+        if not (layer is net.lm_head and net.arch.tie_word_embeddings):
             layer.release_dense()
     return layers
 
@@ -127,17 +128,20 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
         how = f"at most {max_tokens}"
     elif both:
         sizes = measure_max_tokens(both, dtype)
+        for layer in both:
+            layer.drop_unused_forms()
         how = "measured per shape: " + ", ".join(
             f"{shape} {'any' if n == ANY_TOKENS else n}" for shape, n in sizes.items())
     else:
         how = "any"
+    kept = [layer for layer in layers if layer.quantized is not None]
     extra = sum(layer.quantized_bytes() for layer in both) / (1 << 20)
     only = len(layers) - len(both)
-    int8 = any(layer.int8_panels is not None for layer in layers)
+    int8 = any(layer.int8_panels is not None for layer in kept)
     arithmetic = "with int8 activations" if int8 else "in float"
     logger.info("Steps multiply the GGUF's quantized weights of %d projections (%s); %d keep "
                 "only those, %d also keep float ones (%.1f MiB more memory); tokens per step %s",
-                len(layers), arithmetic, only, len(both), extra, how)
+                len(kept), arithmetic, only, len(kept) - only, extra, how)
 
 
 def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -13,9 +13,11 @@ With int8 activations (the engine's default for GGUF files), a large step multip
 the codes with its activations rounded to int8 per 32 inputs, as llama.cpp does: on
 AVX2, twice float32's multiply-adds per cycle for 4-bit codes, about 1.2x for 8-bit
 ones; no longer exactly the dequantized model. Those layers also keep their codes
-unpacked into the int8 kernel's panels, and unless a maximum is set, they keep nothing
-else: at every step size they beat the float weights they would otherwise hold (4-8x
-their bytes), so the loader never builds those.
+unpacked into the int8 kernel's panels. Whether they also need float weights is measured
+before any are loaded (`int8_beats_dense`): on an AVX2 CPU the int8 path wins at every
+step size, so the layers keep nothing else (the float weights would be 4-8x their
+bytes); on a CPU whose dense matmul runs on AMX tiles (about 10x AVX2's bf16 rate), the
+dense one wins from a few tokens on, and the layers keep both forms like the others.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ ANY_TOKENS = sys.maxsize
 # Layers of a shape timed together, times tokens: all of SmolLM2's 30 layers up to 64
 # tokens, fewer beyond, where the weights' place in memory no longer matters.
 MEASURED_LAYER_TOKENS = 2048
+# The step size at which the int8 path is compared with a dense matmul before the float
+# weights load: compute-bound, where a dense matmul does best against quantized codes.
+PROBE_TOKENS = CANDIDATE_MAX_TOKENS[-1]
 
 
 @dataclass
@@ -170,6 +175,14 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.dense_released = True
 
+    def drop_unused_forms(self) -> None:
+        """Free what the measured step sizes never use: the int8 panels below
+        INT8_MIN_TOKENS, and all quantized codes at 0."""
+        if self.quantized_max_tokens < INT8_MIN_TOKENS:
+            self.int8_panels = None
+        if self.quantized_max_tokens == 0:
+            self.quantized = None
+
     def quantized_bytes(self) -> int:
         q, panels = self.quantized, self.int8_panels
         tensors = [] if q is None else [q.codes, q.scales, q.zeros]
@@ -191,6 +204,26 @@ class Linear(nn.Linear):
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
             return self.quantized_forward(x)
         return F.linear(x, self.weight, self.bias)
+
+
+def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linear]:
+    """The layers (with int8 panels) whose shape's quantized path beats a dense matmul in
+    `dtype` at a step of PROBE_TOKENS tokens, timed on one layer per shape against random
+    float weights (a dense matmul's time does not depend on the values), so before any are
+    loaded. Where the int8 path wins there, it wins at every size: smaller steps are bound
+    by reading the weights, of which the codes are 4-8x fewer bytes."""
+    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
+    for layer in layers:
+        if layer.int8_panels is not None and layer.quantized is not None:
+            shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
+    winners = []
+    for (in_features, out_features, _), group in shapes.items():
+        x = torch.randn(PROBE_TOKENS, in_features).to(dtype)
+        weight = torch.randn(out_features, in_features).to(dtype)
+        quantized = _best_seconds(lambda: group[0].quantized_forward(x))
+        if quantized < _best_seconds(lambda: F.linear(x, weight)):
+            winners += group
+    return winners
 
 
 def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
