@@ -176,15 +176,23 @@ class LlamaForCausalLM(nn.Module):
         return not getattr(module, "dense_released", False)
 
     def weight_bytes(self) -> int:
-        """Float parameters and quantized forms together."""
+        """Float parameters, packed float weights and quantized forms together."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
-        return dense + sum(m.quantized_bytes() for m in self.modules() if isinstance(m, Linear))
+        return dense + sum(m.quantized_bytes() + m.packed_bytes() for m in self.modules()
+                           if isinstance(m, Linear))
 
     def num_weights(self) -> int:
-        """Parameters, counting a released float weight's quantized codes in its place."""
+        """Parameters, counting a projection whose float weight is not a parameter (held
+        quantized or packed instead) at its shape."""
         return sum(p.numel() for p in self.parameters()) + sum(
-            m.quantized.codes.numel() * (2 if m.quantized.bits == 4 else 1)
-            for m in self.modules() if isinstance(m, Linear) and m.dense_released)
+            m.in_features * m.out_features for m in self.modules()
+            if isinstance(m, Linear) and m.weight.numel() == 0)
+
+    def pack_dense_weights(self) -> None:
+        """oneDNN's layout for every float weight of a projection (Linear.pack_dense)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and not module.dense_released:
+                module.pack_dense(shared=module is self.lm_head and self.lm_head_is_tied)
 
     def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
                                  max_tokens: int, int8_activations: bool = False) -> list[Linear]:

@@ -18,7 +18,8 @@ from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear, int8_beats_dense,
-                                     measure_max_tokens, quantized_supported)
+                                     measure_max_tokens, packed_weights_supported,
+                                     quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -90,12 +91,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
             layers = attach_quantized(net, gguf_quantized_weights(reader, arch),
                                       gguf_quantized_max_tokens, gguf_int8_activations, dtype)
         net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
+        pack_if_supported(net, dtype, device)
         if layers:
             choose_quantized_sizes(layers, gguf_quantized_max_tokens, dtype)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
         net.load_weights(safetensors_weights(path))
+        pack_if_supported(net, dtype, device)
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
@@ -117,6 +120,11 @@ def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQu
         if not (layer is net.lm_head and net.arch.tie_word_embeddings):
             layer.release_dense()
     return layers
+
+
+def pack_if_supported(net: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    if packed_weights_supported(dtype, device):
+        net.pack_dense_weights()
 
 
 def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
