@@ -62,6 +62,7 @@ def test_kernel_matches_the_dequantized_matmul(bits: int, with_zeros: bool,
     layer.bias.data = torch.randn(203)
     layer = layer.to(dtype)
     layer.attach_quantized(weight, max_tokens=256)
+    layer.torch_int4 = None  # pagellm's kernel at every size (torch's: the next test)
     x = torch.randn(tokens, 288).to(dtype)
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     got = layer(x)
@@ -70,6 +71,39 @@ def test_kernel_matches_the_dequantized_matmul(bits: int, with_zeros: bool,
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
     else:  # float32 math, one rounding of the output (and of the bias add) to bf16
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("with_zeros", [True, False], ids=["Q4_1", "Q4_0"])
+@pytest.mark.parametrize("tokens", [1, 5, 8, 9])
+def test_torch_int4_serves_small_bf16_steps_with_the_same_weights(
+        with_zeros: bool, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to TORCH_INT4_MAX_TOKENS tokens, a bf16 layer's 4-bit codes go through torch's
+    int4 kernel (scales and zeros rounded to bf16), beyond it through pagellm's."""
+    weight = random_weight(4, 208, 288, with_zeros)
+    layer = Linear(288, 208, bias=True)
+    layer.bias.data = torch.randn(208)
+    layer = layer.to(torch.bfloat16)
+    layer.attach_quantized(weight, max_tokens=256)
+    assert layer.torch_int4 is not None
+    calls = count_kernel_calls(monkeypatch)
+    x = torch.randn(tokens, 288).bfloat16()
+    expected = x.float() @ weight.dequantize().T + layer.bias.float()
+    torch.testing.assert_close(layer(x).float(), expected, atol=3e-2, rtol=1e-2)
+    assert calls[0] == (0 if tokens <= quantized_module.TORCH_INT4_MAX_TOKENS else 1)
+
+
+def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:
+    layers = []
+    for rows, dtype in ((64, torch.bfloat16), (64, torch.bfloat16), (96, torch.bfloat16),
+                        (64, torch.float32), (72, torch.bfloat16)):  # 72: not whole 16s
+        layer = Linear(256, rows, bias=False).to(dtype)
+        layer.attach_quantized(random_weight(4, rows, 256, with_zeros=True), max_tokens=16)
+        layers.append(layer)
+    assert [layer.torch_int4 is not None for layer in layers] == [True, True, True, False, False]
+    kept = quantized_module.choose_torch_int4(layers)
+    assert set(kept) <= {"256x64", "256x96"}
+    assert [layer.torch_int4 is not None for layer in layers] == [
+        "256x64" in kept, "256x64" in kept, "256x96" in kept, False, False]
 
 
 def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +133,7 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
         weight.codes[:, :2], weight.codes[:, 2:4] = -128, 127
     layer = Linear(288, 203, bias=False).to(dtype)
     layer.attach_quantized(weight, max_tokens=1024, int8_activations=True)
+    layer.torch_int4 = None  # pagellm's kernels below 12 tokens
     x = torch.randn(tokens, 288, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     x[0, :32] = 0.0  # a group of zeros: step 0
     x[1, 40] = 50.0  # an outlier that coarsens its group's steps

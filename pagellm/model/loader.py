@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear, int8_beats_dense,
-                                     measure_max_tokens, packed_weights_supported,
-                                     quantized_supported)
+from pagellm.model.quantized import (ANY_TOKENS, TORCH_INT4_MAX_TOKENS, GroupQuantWeight, Linear,
+                                     choose_torch_int4, int8_beats_dense, measure_max_tokens,
+                                     packed_weights_supported, quantized_supported)
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -130,7 +130,12 @@ def pack_if_supported(net: LlamaForCausalLM, dtype: torch.dtype, device: torch.d
 def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
                            dtype: torch.dtype) -> None:
     """Once the float weights are in: measure where the layers that kept both forms should
-    stop multiplying the quantized one (`max_tokens` None), and log the outcome."""
+    stop multiplying the quantized one (`max_tokens` None), and log the outcome. First,
+    where torch's int4 kernel serves small steps better than pagellm's."""
+    int4_shapes = choose_torch_int4(layers)
+    if int4_shapes:
+        logger.info("Steps of up to %d tokens multiply with torch's int4 kernel: %s",
+                    TORCH_INT4_MAX_TOKENS, ", ".join(int4_shapes))
     both = [layer for layer in layers if not layer.dense_released]
     if max_tokens is not None:
         how = f"at most {max_tokens}"

@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,10 @@ from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quant
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
 PANEL_SIZE = 16  # output rows per panel of the int8 kernel
 INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
+# Steps of up to this many tokens may multiply 4-bit codes with torch's weight-only int4
+# kernel instead (bf16 activations): it beats ours 2x at 1-8 tokens on an AVX512 CPU, and
+# slows down past that (1.35 ms over 30 gate_up layers at 1 token, 4.8 at 8).
+TORCH_INT4_MAX_TOKENS = 8
 CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 # A shape whose quantized path still wins at the largest candidate keeps it at every size:
 # from there on both paths run at their compute peak.
@@ -156,6 +161,29 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@dataclass
+class TorchInt4:
+    """4-bit codes for torch's weight-only int4 CPU kernel, which computes w = (code - 8) *
+    scale + zero per group of 32, as GroupQuantWeight does: the file's codes, their scales
+    and zeros rounded to bf16."""
+
+    ROWS: ClassVar[int] = 16  # the kernel wants whole multiples of this many output rows
+
+    codes: torch.Tensor  # torch's packed layout
+    scales_and_zeros: torch.Tensor  # [in // 32, out, 2] bf16
+
+    @staticmethod
+    def of(weight: GroupQuantWeight) -> TorchInt4:
+        zeros = torch.zeros_like(weight.scales) if weight.zeros is None else weight.zeros
+        pairs = torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
+        codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        return TorchInt4(codes, pairs.contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.codes, GROUP_SIZE,
+                                                          self.scales_and_zeros)
+
+
 def quantized_supported(device: torch.device) -> bool:
     """The kernel is a CPU one; CUDA would need its own."""
     return device.type == "cpu" and cpu_kernels_available()
@@ -173,6 +201,7 @@ class Linear(nn.Linear):
         self.int8_panels: Int8Panels | None = None
         self.dense_released = False
         self.packed: torch.Tensor | None = None  # the float weight in oneDNN's layout
+        self.torch_int4: TorchInt4 | None = None  # 4-bit codes for torch's small-step kernel
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False) -> None:
@@ -186,6 +215,9 @@ class Linear(nn.Linear):
         self.quantized_max_tokens = max_tokens
         use_int8 = int8_activations and int8_matmul_available()
         self.int8_panels = weight.int8_panels() if use_int8 else None
+        if (weight.bits == 4 and self.weight.dtype == torch.bfloat16
+                and self.out_features % TorchInt4.ROWS == 0):
+            self.torch_int4 = TorchInt4.of(weight)
 
     def release_dense(self) -> None:
         """Multiply the quantized form at every step size and free the float weight (4x the
@@ -201,7 +233,7 @@ class Linear(nn.Linear):
         if self.quantized_max_tokens < INT8_MIN_TOKENS:
             self.int8_panels = None
         if self.quantized_max_tokens == 0:
-            self.quantized = None
+            self.quantized = self.torch_int4 = None
 
     def pack_dense(self, shared: bool) -> None:
         """Keep the float weight in oneDNN's blocked layout (`packed_weights_supported`). A
@@ -217,6 +249,8 @@ class Linear(nn.Linear):
         tensors = [] if q is None else [q.codes, q.scales, q.zeros]
         if panels is not None:
             tensors += [panels.codes, panels.scales, panels.zeros]
+        if self.torch_int4 is not None:
+            tensors += [self.torch_int4.codes, self.torch_int4.scales_and_zeros]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def packed_bytes(self) -> int:
@@ -228,14 +262,21 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, panels = self.quantized, self.int8_panels
-        assert q is not None
+        panels = self.int8_panels
         if panels is not None and x.shape[0] >= INT8_MIN_TOKENS:
             out = quantized_linear_int8(x, panels.codes, panels.scales, panels.zeros,
                                         self.out_features)
+        elif self.torch_int4 is not None and x.shape[0] <= TORCH_INT4_MAX_TOKENS:
+            out = self.torch_int4.matmul(x)
         else:
-            out = quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
+            out = self.float_kernel_forward(x)
         return out if self.bias is None else out + self.bias
+
+    def float_kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """pagellm's kernel on the codes, widened to float32 (no bias)."""
+        q = self.quantized
+        assert q is not None
+        return quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
@@ -263,6 +304,32 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
         if quantized < _best_seconds(lambda: dense.dense_forward(x)):
             winners += group
     return winners
+
+
+def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
+    """Keep torch's int4 form on the layers of a shape where it beats pagellm's kernel at
+    both 1 and TORCH_INT4_MAX_TOKENS tokens (30 layers timed together, as a decode step
+    reads them); drop it elsewhere (its kernel is scalar for some dtypes and CPUs). Returns
+    the shapes that kept it."""
+    shapes: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    for layer in layers:
+        if layer.torch_int4 is not None:
+            shapes[(layer.in_features, layer.out_features)].append(layer)
+    kept = []
+    for (in_features, out_features), group in shapes.items():
+        timed = group[:MEASURED_LAYER_TOKENS // TORCH_INT4_MAX_TOKENS]
+        wins = True
+        for tokens in (1, TORCH_INT4_MAX_TOKENS):
+            x = torch.randn(tokens, in_features).to(torch.bfloat16)
+            ours = _best_seconds(lambda: [layer.float_kernel_forward(x) for layer in timed])
+            theirs = _best_seconds(lambda: [layer.torch_int4.matmul(x)  # type: ignore[union-attr]
+                                            for layer in timed])
+            wins = wins and theirs < ours
+        for layer in group if not wins else ():
+            layer.torch_int4 = None
+        if wins:
+            kept.append(f"{in_features}x{out_features}")
+    return kept
 
 
 def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
