@@ -12,6 +12,14 @@ Peers: `pagellm` (the embedded SmolLM2-135M Q4_1 GGUF), `llamacpp` (llama-cpp-py
 OpenAI server on the same GGUF; skipped when not installed) and `naive` (transformers +
 FastAPI, one generate() at a time: benchmarks/naive_server.py). The peers are
 benchmark-only extras: `pip install -e ".[bench]"` (llama-cpp-python compiles ~8 min).
+On a CPU with AMX (Sapphire Rapids and later), that build's AMX backend crashes in its
+first matmul (segfault in ggml_backend_amx_mul_mat, llama.cpp issue #20824); build it
+with every other instruction set of the CPU instead, for example:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+      pip install --force-reinstall --no-deps "llama-cpp-python[server]==0.3.36"
 
 The naive server runs requests one after another, so at concurrency 64 the default 128
 prompts would take most of an hour: cap a peer's num-prompts with `--max-prompts
