@@ -37,7 +37,8 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "(`--repeat`) and each figure is the median over the rounds.")
 DECODE_LOG_PREFIX = "pagellm-decode-steps-"
 PAGELLM_ARGS_FILE = "pagellm-args.txt"  # the --pagellm-args of the last run
-DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s")
+DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s"
+                         r"(?:, reads ([\d.]+) MB)?")
 PLOTS = (("output_throughput", "output tok/s", "output_throughput"),
          ("p99_ttft_ms", "TTFT p99 (ms)", "ttft_p99"),
          ("p99_itl_ms", "ITL p99 (ms)", "itl_p99"))
@@ -77,6 +78,19 @@ def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
         torch.matmul(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def read_bandwidth_gbps(mib: int = 512, tries: int = 5) -> float:
+    """Best-of-`tries` GB/s of summing a `mib` MiB tensor with torch's threads: the memory
+    roof of a decode step, which reads every weight and every request's keys and values."""
+    data = torch.ones(mib * (1 << 20) // 4)
+    data.sum()  # warm-up, and the pages are touched
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
 
 
 def decode_log_name(round_number: int) -> str:
@@ -133,24 +147,27 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
 def save_peak(peer_dir: Path, round_number: int) -> None:
     """Measure the matmul roof on the idle machine, before the round's servers, for the report."""
     (peer_dir / f"matmul_peak-{round_number}.json").write_text(
-        json.dumps({"gflops": matmul_peak_gflops()}))
+        json.dumps({"gflops": matmul_peak_gflops(), "read_gbps": read_bandwidth_gbps()}))
 
 
-def decode_steps(peer_dir: Path) -> list[tuple[int, float, float]]:
-    """(batch, ms per step, output tok/s) from `pagellm bench throughput --decode-steps`,
-    the median step over the rounds."""
+def decode_steps(peer_dir: Path) -> list[tuple[int, float, float, float | None]]:
+    """(batch, ms per step, output tok/s, MB read per step or None) from `pagellm bench
+    throughput --decode-steps`, the median step over the rounds."""
     steps: dict[int, list[float]] = {}
+    reads: dict[int, float] = {}
     for path in sorted(peer_dir.glob(f"{DECODE_LOG_PREFIX}*.log")):
         for match in DECODE_LINE.finditer(path.read_text()):
             steps.setdefault(int(match[1]), []).append(float(match[2]))
-    return [(batch, statistics.median(ms), batch * 1000 / statistics.median(ms))
+            if match[4] is not None:
+                reads[int(match[1])] = float(match[4])
+    return [(batch, statistics.median(ms), batch * 1000 / statistics.median(ms), reads.get(batch))
             for batch, ms in sorted(steps.items())]
 
 
 def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top: int) -> list[str]:
-    peaks = [json.loads(path.read_text())["gflops"]
-             for path in peer_dir.glob("matmul_peak-*.json")]
-    peak = max(peaks) if peaks else matmul_peak_gflops()
+    saved = [json.loads(path.read_text()) for path in peer_dir.glob("matmul_peak-*.json")]
+    peak = max(s["gflops"] for s in saved) if saved else matmul_peak_gflops()
+    bandwidths = [s["read_gbps"] for s in saved if "read_gbps" in s]
     dtype = str(engine_dtype()).removeprefix("torch.")
     lines = [f"Roofline: {dtype} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best "
              "of 5 in each round, pagellm's dtype on this CPU); "
@@ -159,9 +176,19 @@ def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top:
     if run is not None:
         lines.append(_roof_line(f"serving, concurrency {top} (prefill included)",
                                 run["output_throughput"], peak))
-    for batch, ms, tokens in decode_steps(peer_dir):
+    steps = decode_steps(peer_dir)
+    for batch, ms, tokens, _ in steps:
         lines.append(_roof_line(f"batched decode, batch {batch} ({ms:.1f} ms per step)",
                                 tokens, peak))
+    read = [(batch, ms, mb) for batch, ms, _, mb in steps if mb is not None]
+    if bandwidths and read:
+        bandwidth = max(bandwidths)
+        lines += ["", f"Memory roof: {bandwidth:.1f} GB/s read (a 512 MiB sum, best of 5 in each "
+                  "round); a decode step reads the weights in the forms it multiplies and every "
+                  "request's keys and values."]
+        lines += [f"- pagellm batched decode, batch {batch}: {mb:.0f} MB per step = "
+                  f"{mb / ms:.1f} GB/s, {100 * mb / ms / bandwidth:.1f}% of the memory roof"
+                  for batch, ms, mb in read]
     return lines
 
 

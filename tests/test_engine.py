@@ -210,3 +210,20 @@ def test_a_narrower_kv_cache_under_float32_holds_more_blocks(
 def test_an_unsupported_kv_cache_dtype_is_rejected_before_loading(name: str):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype=name).cache_config()
+
+
+def test_decode_step_reads_the_weights_and_every_context(llama: LLM):
+    """bench throughput's memory figure: float32 weights of every projection, plus each
+    request's keys and values over the timed steps (a prompt, its first token, then one
+    more token a step)."""
+    from pagellm.benchmarks.throughput import time_decode_step
+
+    arch = llama.engine.core.loaded.arch
+    projections = (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_key_value_heads)
+                   * arch.head_dim + arch.num_attention_heads * arch.head_dim * arch.hidden_size
+                   + 3 * arch.hidden_size * arch.intermediate_size)
+    weights = 4 * (arch.num_hidden_layers * projections + arch.hidden_size * arch.vocab_size)
+    token = 4 * 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    _, read = time_decode_step(llama, [[5] * 20, [7] * 20, [9] * 20], steps=5)
+    assert read == weights + 3 * (20 + 1 + (5 - 1) / 2) * token
+    assert_all_blocks_free(llama)

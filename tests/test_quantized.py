@@ -106,6 +106,21 @@ def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:
         "256x64" in kept, "256x64" in kept, "256x96" in kept, False, False]
 
 
+@needs_int8
+def test_bytes_read_are_those_of_the_form_a_step_multiplies() -> None:
+    """208 x 288 in bf16 (9 groups of 32 per row, 13 panels): torch's int4 codes and bf16
+    scale-zero pairs up to 8 tokens, pagellm's packed codes and float32 scales and zeros
+    up to 11, the int8 panels from 12, the bf16 weight past the quantized maximum."""
+    layer = Linear(288, 208, bias=False).to(torch.bfloat16)
+    layer.attach_quantized(random_weight(4, 208, 288, with_zeros=True), max_tokens=64,
+                           int8_activations=True)
+    codes, float32_pairs = 208 * 288 // 2, 2 * 208 * 9 * 4
+    assert [layer.bytes_read(tokens) for tokens in (1, 8, 9, 11, 12, 64, 65)] == [
+        codes + 208 * 9 * 2 * 2, codes + 208 * 9 * 2 * 2, codes + float32_pairs,
+        codes + float32_pairs, 13 * 16 * 288 + 2 * 13 * 9 * 16 * 4,
+        13 * 16 * 288 + 2 * 13 * 9 * 16 * 4, 208 * 288 * 2]
+
+
 def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
     """x with each group of 32 inputs rounded to int8 steps of max |x| / 127, as floats
     (scaled by 127 / max |x| as the kernel does: x / step can round the other way)."""

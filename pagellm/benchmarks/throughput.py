@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> list[ThroughputResult]:
                                         batch * args.input_len, produced))
         print(results[-1].line(), flush=True)
     for batch in batch_sizes if args.decode_steps else ():
-        seconds = time_decode_step(llm, random_prompts(batch, args.input_len, vocab, batch),
-                                   args.decode_steps)
+        seconds, read = time_decode_step(llm, random_prompts(batch, args.input_len, vocab, batch),
+                                         args.decode_steps)
         print(f"[pagellm batch={batch}] decode step: {seconds * 1000:.1f} ms, "
-              f"{batch / seconds:.1f} output tokens/s", flush=True)
+              f"{batch / seconds:.1f} output tokens/s, reads {read / 1e6:.1f} MB "
+              f"({read / seconds / 1e9:.1f} GB/s)", flush=True)
     if args.hf_baseline:
         results.append(run_hf_baseline(llm, args, random_prompts(args.hf_baseline, args.input_len,
                                                                  vocab, 1)))
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> list[ThroughputResult]:
     return results
 
 
-def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> float:
-    """Mean seconds of one engine step once every prompt of the batch is decoding."""
+def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Mean seconds of one engine step once every prompt of the batch is decoding, and the
+    mean bytes such a step reads: the weights in the forms it multiplies, and every
+    request's keys and values so far."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(len(prompts))]
@@ -95,12 +98,17 @@ def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> float:
     scheduler = engine.core.scheduler
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         engine.step()
+    core = engine.core
+    weights = core.loaded.model.weight_bytes_read(len(prompts))
+    token_bytes = core.runner.block_bytes() / core.cache_config.block_size
+    contexts = sum(r.num_computed_tokens + 1 for r in scheduler.running)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     seconds = (time.perf_counter() - start) / steps
     engine.abort_request(ids)
-    return seconds
+    mean_context_bytes = (contexts + len(prompts) * (steps - 1) / 2) * token_bytes
+    return seconds, weights + mean_context_bytes
 
 
 def run_hf_baseline(llm: LLM, args: argparse.Namespace,

@@ -188,6 +188,11 @@ class LlamaForCausalLM(nn.Module):
             m.in_features * m.out_features for m in self.modules()
             if isinstance(m, Linear) and m.weight.numel() == 0)
 
+    def weight_bytes_read(self, tokens: int) -> int:
+        """Bytes of the projections' weights that a step of `tokens` tokens, all of them
+        sampling, multiplies (the memory traffic of a decode step, with the KV cache)."""
+        return sum(m.bytes_read(tokens) for m in self.modules() if isinstance(m, Linear))
+
     def pack_dense_weights(self) -> None:
         """oneDNN's layout for every float weight of a projection (Linear.pack_dense)."""
         for module in self.modules():

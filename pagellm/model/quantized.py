@@ -22,11 +22,11 @@ dense one wins from a few tokens on, and the layers keep both forms like the oth
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -58,7 +58,7 @@ PACKED_BATCH_HINT = 64
 PROBE_TOKENS = CANDIDATE_MAX_TOKENS[-1]
 
 
-@dataclass
+@dataclasses.dataclass
 class GroupQuantWeight:
     """weight[o, i] = (codes[o, i] - offset) * scales[o, i // 32] + zeros[o, i // 32],
     with offset 8 for 4-bit codes (uint8 0..15) and 0 for 8-bit ones (int8)."""
@@ -127,13 +127,19 @@ class GroupQuantWeight:
                           _by_panel(zeros).transpose(1, 2).contiguous())
 
 
+def _nbytes(form: GroupQuantWeight | Int8Panels | TorchInt4) -> int:
+    """The bytes of a quantized form's tensors."""
+    tensors = (getattr(form, field.name) for field in dataclasses.fields(form))
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _by_panel(t: torch.Tensor) -> torch.Tensor:
     """[rows, cols] -> [ceil(rows / 16), 16, cols], the last panel padded with zero rows."""
     panels = -(-t.shape[0] // PANEL_SIZE)
     return F.pad(t, (0, 0, 0, panels * PANEL_SIZE - t.shape[0])).reshape(panels, PANEL_SIZE, -1)
 
 
-@dataclass
+@dataclasses.dataclass
 class Int8Panels:
     """A matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
     codes[p, g, j, f, b] = code of row 16p + f for input 32g + 4j + b; per group, each
@@ -161,7 +167,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@dataclass
+@dataclasses.dataclass
 class TorchInt4:
     """4-bit codes for torch's weight-only int4 CPU kernel, which computes w = (code - 8) *
     scale + zero per group of 32, as GroupQuantWeight does: the file's codes, their scales
@@ -245,16 +251,26 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def quantized_bytes(self) -> int:
-        q, panels = self.quantized, self.int8_panels
-        tensors = [] if q is None else [q.codes, q.scales, q.zeros]
-        if panels is not None:
-            tensors += [panels.codes, panels.scales, panels.zeros]
-        if self.torch_int4 is not None:
-            tensors += [self.torch_int4.codes, self.torch_int4.scales_and_zeros]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(_nbytes(form) for form in (self.quantized, self.int8_panels, self.torch_int4)
+                   if form is not None)
 
     def packed_bytes(self) -> int:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def bytes_read(self, tokens: int) -> int:
+        """Bytes of the form that a step of `tokens` tokens multiplies: all of it is read."""
+        if self.quantized is not None and tokens <= self.quantized_max_tokens:
+            return _nbytes(self.quantized_form(tokens))
+        return self.packed_bytes() or self.weight.numel() * self.weight.element_size()
+
+    def quantized_form(self, tokens: int) -> GroupQuantWeight | Int8Panels | TorchInt4:
+        """The quantized form a step of `tokens` tokens multiplies."""
+        if self.int8_panels is not None and tokens >= INT8_MIN_TOKENS:
+            return self.int8_panels
+        if self.torch_int4 is not None and tokens <= TORCH_INT4_MAX_TOKENS:
+            return self.torch_int4
+        assert self.quantized is not None
+        return self.quantized
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -262,12 +278,11 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        panels = self.int8_panels
-        if panels is not None and x.shape[0] >= INT8_MIN_TOKENS:
-            out = quantized_linear_int8(x, panels.codes, panels.scales, panels.zeros,
-                                        self.out_features)
-        elif self.torch_int4 is not None and x.shape[0] <= TORCH_INT4_MAX_TOKENS:
-            out = self.torch_int4.matmul(x)
+        form = self.quantized_form(x.shape[0])
+        if isinstance(form, Int8Panels):
+            out = quantized_linear_int8(x, form.codes, form.scales, form.zeros, self.out_features)
+        elif isinstance(form, TorchInt4):
+            out = form.matmul(x)
         else:
             out = self.float_kernel_forward(x)
         return out if self.bias is None else out + self.bias
