@@ -24,9 +24,10 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
+                                      "quantized_linear_amx.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
                                       "prefill_attention.cpp", "write_kv.cpp")]
-_HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h"]
+_HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h", _HERE / "int8_rows.h"]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
@@ -61,10 +62,13 @@ def cpu_kernels_available() -> bool:
 
 
 def _isa_flags(capability: str) -> list[str]:
-    """torch's instruction sets for this CPU, plus AVX512-BF16 where the CPU has it."""
+    """torch's instruction sets for this CPU, plus AVX512-BF16 and AMX's int8 tiles where the
+    CPU has them."""
     flags = _ISA_FLAGS.get(capability, [])
     if capability == "AVX512" and _cpu_has("avx512_bf16"):
         flags = [*flags, "-mavx512bf16"]
+    if capability == "AVX512" and _cpu_has("amx_tile") and _cpu_has("amx_int8"):
+        flags = [*flags, "-mamx-tile", "-mamx-int8"]
     return flags
 
 

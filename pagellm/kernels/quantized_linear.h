@@ -1,6 +1,8 @@
 // Pieces shared by the quantized matmul's float32 panels (quantized_linear.cpp) and its
-// int8 one (quantized_linear_int8.cpp).
+// int8 ones (quantized_linear_int8.cpp, quantized_linear_amx.cpp).
 #pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
@@ -16,5 +18,10 @@ inline int64_t input_chunk(int64_t k) {
   const int64_t chunks = (k + 255) / 256;
   return (k / kGroup + chunks - 1) / chunks * kGroup;
 }
+
+// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp): writes y and returns true,
+// or returns false where this build or the OS has no tiles.
+bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
+                               const at::Tensor& scales, const at::Tensor& zeros);
 
 }  // namespace pagellm::quantized

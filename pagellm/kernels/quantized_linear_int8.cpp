@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8_rows.h"
 #include "quantized_linear.h"
 #include "vectorizable.h"
 
@@ -46,75 +47,12 @@ namespace {
 
 constexpr int kInt8TileRows = 4;  // rows per register tile: 8 int16 accumulators
 
-// Activation rows rounded to int8 per group, padded with zero rows to whole tiles, and
-// interleaved by tile: value i of row 4t + r is at ((t * K + i - i % 4) * 4 + 4r + i % 4).
-struct Int8Rows {
-  std::vector<int8_t> values;  // [tiles, K / 4, 4 rows, 4]
-  std::vector<float> scales;   // [tiles, K / 32, 4 rows]: d of each group
-  std::vector<float> sums;     // [tiles, K / 32, 4 rows]: d times each group's sum of q
-};
-
-inline float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline int32_t horizontal_sum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-
-// One group of 32 activations to int8 steps of d = max |x| / 127, rounded to nearest (even);
-// stores the 32 steps, 4 at a time `stride` bytes apart, and returns their sum.
-inline int32_t quantize_group(const float* x, float& d, int8_t* out, int64_t stride) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], largest = _mm256_setzero_ps();
-  for (int q = 0; q < 4; ++q) {
-    v[q] = _mm256_loadu_ps(x + 8 * q);
-    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[q]));
-  }
-  const float amax = horizontal_max(largest);
-  d = amax / 127.f;
-  const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  __m256i steps[4];
-  for (int q = 0; q < 4; ++q) steps[q] = _mm256_cvtps_epi32(_mm256_mul_ps(v[q], inverse));
-  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(steps[0], steps[1]),
-                                       _mm256_add_epi32(steps[2], steps[3]));
-  // packs work within 128-bit lanes: the bytes come out as 0-3 8-11 4-7 12-15 (in 4s)
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(steps[0], steps[1]),
-                                           _mm256_packs_epi32(steps[2], steps[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  alignas(32) int32_t words[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(words), _mm256_permutevar8x32_epi32(bytes, order));
-  for (int j = 0; j < 8; ++j) std::memcpy(out + j * stride, &words[j], sizeof(int32_t));
-  return horizontal_sum(sum);
-}
-
-template <typename T>
-Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k) {
-  const int64_t groups = k / kGroup;
-  Int8Rows rows{std::vector<int8_t>(padded * k, 0), std::vector<float>(padded * groups, 0.f),
-                std::vector<float>(padded * groups, 0.f)};
-  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
-    float values[kGroup];
-    for (int64_t g = begin; g < end; ++g) {
-      const float* group = nullptr;
-      if constexpr (std::is_same_v<T, float>) {
-        group = x + g * kGroup;
-      } else {
-        for (int i = 0; i < kGroup; ++i) values[i] = load(x, g * kGroup + i);
-        group = values;
-      }
-      const int64_t tile = g / groups / kInt8TileRows, r = g / groups % kInt8TileRows;
-      const int64_t at = (tile * groups + g % groups) * kInt8TileRows + r;
-      int8_t* out = rows.values.data() + (tile * k + g % groups * kGroup) * kInt8TileRows + 4 * r;
-      const int32_t sum = quantize_group(group, rows.scales[at], out, 4 * kInt8TileRows);
-      rows.sums[at] = rows.scales[at] * static_cast<float>(sum);
-    }
-  });
-  return rows;
+// Activation rows are stored interleaved by tile: value i of row 4t + r is at
+// ((t * K + i - i % 4) * 4 + 4r + i % 4); their scales and sums at (t * K / 32 + g) * 4 + r.
+inline GroupPlace tile_interleaved(int64_t k, int64_t row, int64_t group) {
+  const int64_t tile = row / kInt8TileRows, r = row % kInt8TileRows;
+  return {(tile * k + group * kGroup) * kInt8TileRows + 4 * r, 4 * kInt8TileRows,
+          (tile * (k / kGroup) + group) * kInt8TileRows + r};
 }
 
 // One panel of the prepacked tensors.
@@ -222,7 +160,9 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
-  const Int8Rows rows = quantize_rows(x, m, padded, k);
+  const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
+    return tile_interleaved(k, row, group);
+  });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(block_rows * kPanel);
     for (int64_t m0 = 0; m0 < padded; m0 += block_rows) {
@@ -268,6 +208,7 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                 "quantized_linear_int8: scales and zeros must be float32 "
                 "[ceil(N / 16), K / 32, 16]");
   }
+  if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
   pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
     using T = decltype(tag);
     T* out = y.mutable_data_ptr<T>();

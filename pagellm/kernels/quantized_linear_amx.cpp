@@ -1,0 +1,184 @@
+// quantized_linear_int8's product on AMX tiles (Sapphire Rapids and later): the same int8
+// panels, the same rows rounded to int8 per group of 32, the same float32 arithmetic per
+// group, so the results are the AVX2 kernel's. One tile instruction multiplies 16 rows of a
+// group's activations (16 x 32 int8) with a panel's codes for that group (8 x 64 bytes: 16
+// features x 4 codes per row of the tile, the panel layout as stored) into 16 x 16 int32
+// sums; AVX512 then adds them to float32 accumulators held in 16 registers, scaled by the
+// panel's scales times each row's step, plus the panel's zeros times each row's sum. That
+// per-group scaling, not the tiles, bounds the speed: about 5 instructions per row and
+// group against 512 multiply-adds. Two sum tiles alternate between groups, so that a
+// group's tile product runs while the previous group is being added.
+//
+// 4-bit codes (uint8 panels) take the signed x unsigned product, 8-bit ones (int8) the
+// signed x signed one. The OS must grant the tiles' state once per process (arch_prctl);
+// where it does not, or the CPU has no AMX, the AVX2 kernel runs instead.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "quantized_linear.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "int8_rows.h"
+#include "vectorizable.h"
+
+namespace pagellm::quantized {
+namespace {
+
+constexpr int kRows = 16;  // activation rows per tile: the accumulator registers
+constexpr long kRequestTileState = 0x1023;  // ARCH_REQ_XCOMP_PERM
+constexpr long kTileData = 18;              // XFEATURE_XTILEDATA
+
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestTileState, kTileData) == 0;
+  return permitted;
+}
+
+// ldtilecfg faults on a configuration that is not 64-byte aligned.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 1: sums (16 rows x 16 int32); 2 and 4: activations (16 rows x 32 int8); 3 and
+// 5: codes (8 rows x 64 bytes). Even groups use 0, 2, 3, odd ones 1, 4, 5.
+void configure_tiles() {
+  TileConfig config;
+  for (int sums : {0, 1}) config.rows[sums] = kRows, config.bytes_per_row[sums] = 64;
+  for (int inputs : {2, 4}) config.rows[inputs] = kRows, config.bytes_per_row[inputs] = kGroup;
+  for (int codes : {3, 5}) config.rows[codes] = kGroup / 4, config.bytes_per_row[codes] = 64;
+  // GCC 12 does not see that ldtilecfg reads the configuration and drops the stores above
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// A group's int32 sums into `sums`. GCC's tile intrinsics paste their tile numbers into the
+// instruction, so they must be literals: one function per set of tiles.
+#define PAGELLM_GROUP_PRODUCT(name, sums_tile, inputs_tile, codes_tile)                     \
+  template <bool kSignedCodes>                                                             \
+  inline void name(const int8_t* inputs, int64_t stride, const void* codes, int32_t* sums) { \
+    _tile_zero(sums_tile);                                                                 \
+    _tile_loadd(inputs_tile, inputs, stride);                                              \
+    _tile_loadd(codes_tile, codes, 64);                                                    \
+    if constexpr (kSignedCodes) {                                                          \
+      _tile_dpbssd(sums_tile, inputs_tile, codes_tile);                                    \
+    } else {                                                                               \
+      _tile_dpbsud(sums_tile, inputs_tile, codes_tile);                                    \
+    }                                                                                      \
+    _tile_stored(sums_tile, sums, 64);                                                     \
+  }
+PAGELLM_GROUP_PRODUCT(even_group_product, 0, 2, 3)
+PAGELLM_GROUP_PRODUCT(odd_group_product, 1, 4, 5)
+#undef PAGELLM_GROUP_PRODUCT
+
+// acc[r] += scale * d[r] * sums[r] + zero * sum[r], as add_group does on AVX2.
+inline void add_group(const int32_t* sums, const float* scales, const float* zeros,
+                      const float* steps, const float* step_sums, int64_t groups,
+                      __m512 (&acc)[kRows]) {
+  const __m512 scale = _mm512_loadu_ps(scales), zero = _mm512_loadu_ps(zeros);
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(steps[r * groups]));
+    const __m512 products = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 16));
+    acc[r] = _mm512_fmadd_ps(row_scale, products, acc[r]);
+    acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(step_sums[r * groups]), acc[r]);
+  }
+}
+
+template <typename T, typename Code>
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
+         const float* panel_scales, const float* panel_zeros) {
+  constexpr bool kSigned = std::is_same_v<Code, int8_t>;
+  const int64_t groups = k / kGroup, panels = (n + kPanel - 1) / kPanel;
+  const int64_t padded = (m + kRows - 1) / kRows * kRows;
+  const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
+    return GroupPlace{row * k + group * kGroup, 4, row * (k / kGroup) + group};
+  });
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) int32_t sums[2][kRows * 16];
+    for (int64_t p = begin; p < end; ++p) {
+      const Code* codes = panel_codes + p * kPanel * k;
+      const float* scales = panel_scales + p * groups * kPanel;
+      const float* zeros = panel_zeros + p * groups * kPanel;
+      const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
+      for (int64_t m0 = 0; m0 < padded; m0 += kRows) {
+        const int8_t* inputs = rows.values.data() + m0 * k;
+        const float* steps = rows.scales.data() + m0 * groups;
+        const float* step_sums = rows.sums.data() + m0 * groups;
+        __m512 acc[kRows];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        auto add = [&](int64_t g, const int32_t* group_sums) {
+          add_group(group_sums, scales + g * kPanel, zeros + g * kPanel, steps + g,
+                    step_sums + g, groups, acc);
+        };
+        int64_t g = 0;
+        for (; g + 1 < groups; g += 2) {
+          even_group_product<kSigned>(inputs + g * kGroup, k, codes + g * kGroup * kPanel,
+                                      sums[0]);
+          odd_group_product<kSigned>(inputs + (g + 1) * kGroup, k,
+                                     codes + (g + 1) * kGroup * kPanel, sums[1]);
+          add(g, sums[0]);
+          add(g + 1, sums[1]);
+        }
+        if (g < groups) {
+          even_group_product<kSigned>(inputs + g * kGroup, k, codes + g * kGroup * kPanel,
+                                      sums[0]);
+          add(g, sums[0]);
+        }
+        alignas(64) float out[kPanel];
+        for (int64_t r = 0; r < std::min<int64_t>(kRows, m - m0); ++r) {
+          _mm512_store_ps(out, acc[r]);
+          for (int64_t f = 0; f < width; ++f) store(y + (m0 + r) * n, n0 + f, out[f]);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
+                               const at::Tensor& scales, const at::Tensor& zeros) {
+  if (!tiles_permitted()) return false;
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
+    using T = decltype(tag);
+    T* out = y.mutable_data_ptr<T>();
+    const T* in = x.const_data_ptr<T>();
+    const float* s = scales.const_data_ptr<float>();
+    const float* z = zeros.const_data_ptr<float>();
+    if (panels.scalar_type() == at::kChar) {
+      run<T, int8_t>(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+    } else {
+      run<T, uint8_t>(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+    }
+  });
+  return true;
+}
+
+}  // namespace pagellm::quantized
+
+#else
+
+namespace pagellm::quantized {
+
+bool quantized_linear_int8_amx(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+
+}  // namespace pagellm::quantized
+
+#endif
