@@ -352,28 +352,38 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
     CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, 0
     if none, or ANY_TOKENS if the largest. Layers of one shape are timed together, in one
     pass over them, so that small steps read the weights from memory as a model step does.
-    Every candidate is timed: near parity a noisy loss at one size must not decide the
-    larger ones. Returns the sizes by shape."""
+    Every candidate is timed (see `max_tokens_from_wins`). Returns the sizes by shape."""
     shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
     for layer in layers:
         assert layer.quantized is not None
         shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
     chosen = {}
     for (in_features, out_features, bits), group in shapes.items():
-        best = 0
+        wins = []
         for tokens in CANDIDATE_MAX_TOKENS:
             x = torch.randn(tokens, in_features).to(dtype)
             timed = group[:max(1, MEASURED_LAYER_TOKENS // tokens)]
             quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in timed])
             dense = _best_seconds(lambda: [layer.dense_forward(x) for layer in timed])
-            if quantized < dense:
-                best = tokens
-        if best == CANDIDATE_MAX_TOKENS[-1]:
-            best = ANY_TOKENS
+            wins.append(quantized < dense)
+        best = max_tokens_from_wins(wins)
         for layer in group:
             layer.quantized_max_tokens = best
         chosen[f"{in_features}x{out_features} Q{bits}"] = best
     return chosen
+
+
+def max_tokens_from_wins(wins: Sequence[bool]) -> int:
+    """The largest candidate at which the quantized path won and also won at the candidate
+    before (if any), 0 if none, ANY_TOKENS if the largest. Near parity, neither a noisy loss
+    nor a noisy win at one size decides the larger ones: a single win past the crossover
+    (a slow moment of the dense matmul at 512 tokens, say) would otherwise send every
+    larger step to the slower path."""
+    best = 0
+    for i, tokens in enumerate(CANDIDATE_MAX_TOKENS):
+        if wins[i] and (i == 0 or wins[i - 1]):
+            best = tokens
+    return ANY_TOKENS if best == CANDIDATE_MAX_TOKENS[-1] else best
 
 
 def _best_seconds(fn: Callable[[], object], tries: int = 3) -> float:
