@@ -304,15 +304,16 @@ def test_max_tokens_are_measured_per_layer_shape() -> None:
 
 
 def test_a_lone_win_or_loss_does_not_decide_the_step_size() -> None:
-    """Candidates 1, 2, 4, 8, 16, 32, 64, 128, 512."""
+    """Candidates 1, 2, 4, 8, 12, 16, 32, 64, 128, 512."""
     decide = quantized_module.max_tokens_from_wins
-    assert decide([True, True, True, False, False, False, False, False, True]) == 4
-    assert decide([True, False, True, True, True, False, False, False, False]) == 16
-    assert decide([True, False, False, False, False, False, False, False, False]) == 1
-    assert decide([False, True, False, False, False, False, False, False, False]) == 0
-    assert decide([True] * 8 + [False]) == 128
-    assert decide([True] * 9) == ANY_TOKENS
-    assert decide([False] * 9) == 0
+    assert decide([True, True, True, False, False, False, False, False, False, True]) == 4
+    assert decide([True, False, True, True, True, True, False, False, False, False]) == 16
+    assert decide([True, True, True, False, True, True, True, False, False, False]) == 32
+    assert decide([True, False, False, False, False, False, False, False, False, False]) == 1
+    assert decide([False, True, False, False, False, False, False, False, False, False]) == 0
+    assert decide([True] * 9 + [False]) == 128
+    assert decide([True] * 10) == ANY_TOKENS
+    assert decide([False] * 10) == 0
 
 
 @needs_int8

@@ -43,7 +43,7 @@ INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
 # kernel instead (bf16 activations): it beats ours 2x at 1-8 tokens on an AVX512 CPU, and
 # slows down past that (1.35 ms over 30 gate_up layers at 1 token, 4.8 at 8).
 TORCH_INT4_MAX_TOKENS = 8
-CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, INT8_MIN_TOKENS, 16, 32, 64, 128, 512)
 # A shape whose quantized path still wins at the largest candidate keeps it at every size:
 # from there on both paths run at their compute peak.
 ANY_TOKENS = sys.maxsize
