@@ -26,6 +26,7 @@ from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
+from pagellm.platform import zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 
 logger = init_logger(__name__)
@@ -72,9 +73,12 @@ class ModelRunner:
         return kv_cache_shape(num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Zeroed, so that padding slots read by a gather are finite and masked out cleanly."""
+        """Zeroed, so that padding slots read by a gather are finite and masked out cleanly; on
+        CPU in 2 MiB pages, which spare decode attention a TLB miss per block."""
         shape = self._cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype)
+                          if self.device.type == "cpu" else
+                          torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.arch.num_hidden_layers)]
 
     def allocate_offload_cache(self, num_blocks: int, path: str | None = None) -> None:

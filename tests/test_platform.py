@@ -1,0 +1,48 @@
+"""Host memory for the KV cache: zeroed, 2 MiB-aligned, and in 2 MiB pages where Linux grants
+them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.platform import zeros_in_huge_pages
+
+
+def anon_huge_kib(start: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [start, end), from smaps."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) > 4:
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            overlaps = low < end and start < high
+        elif overlaps and fields[0] == "AnonHugePages:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_the_tensor_is_zeroed_aligned_and_writable(dtype: torch.dtype) -> None:
+    shape = (2, 3, 40, 16, 64)
+    cache = zeros_in_huge_pages(shape, dtype)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.data_ptr() % (2 << 20) == 0
+    assert not cache.float().any()
+    cache[1, 2, 39, 15, 63] = 1.0
+    assert cache.float().sum().item() == 1.0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise and smaps are Linux's")
+def test_linux_backs_it_with_huge_pages_where_they_are_on_request() -> None:
+    """Where transparent huge pages are `madvise`-only, a plain allocation gets none: any
+    huge page in the region comes from the advice."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("transparent huge pages are not madvise-only here")
+    cache = zeros_in_huge_pages((64, 1 << 20), torch.uint8)  # 64 MiB
+    cache.fill_(1)  # the pages are taken when first written
+    assert anon_huge_kib(cache.data_ptr(), cache.data_ptr() + cache.numel()) > 0
