@@ -13,7 +13,8 @@ from test_models import PagedCache, greedy_decode
 
 import pagellm.model.loader as loader_module
 from pagellm.model.loader import load_model
-from pagellm.model.quantized import Linear, packed_weights_supported
+from pagellm.model.quantized import Linear
+from pagellm.model.torch_matmul import packed_weights_supported
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not packed_weights_supported(torch.bfloat16, CPU),
@@ -53,7 +54,8 @@ def test_a_bf16_model_packs_every_projection_and_decodes_the_same(
     assert all(layer.packed is not None for layer in layers)
     tied = packed.model.lm_head_is_tied
     assert tied == (model_type == "qwen2")
-    assert [layer.weight.numel() == 0 for layer in layers] == [True] * (len(layers) - 1) + [not tied]
+    freed = [layer.weight.numel() == 0 for layer in layers]
+    assert freed == [True] * (len(layers) - 1) + [not tied]
     assert packed.model.num_weights() == plain.model.num_weights()
     prompts = [list(range(3, 30)), list(range(50, 58))]
     results = {}

@@ -24,6 +24,7 @@ from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, measure_max_tokens
+from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 needs_int8 = pytest.mark.skipif(not int8_matmul_available(),
@@ -89,7 +90,7 @@ def test_torch_int4_serves_small_bf16_steps_with_the_same_weights(
     x = torch.randn(tokens, 288).bfloat16()
     expected = x.float() @ weight.dequantize().T + layer.bias.float()
     torch.testing.assert_close(layer(x).float(), expected, atol=3e-2, rtol=1e-2)
-    assert calls[0] == (0 if tokens <= quantized_module.TORCH_INT4_MAX_TOKENS else 1)
+    assert calls[0] == (0 if tokens <= TORCH_INT4_MAX_TOKENS else 1)
 
 
 def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:

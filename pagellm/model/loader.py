@@ -17,9 +17,9 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, TORCH_INT4_MAX_TOKENS, GroupQuantWeight, Linear,
-                                     choose_torch_int4, int8_beats_dense, measure_max_tokens,
-                                     packed_weights_supported, quantized_supported)
+from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear, choose_torch_int4,
+                                     int8_beats_dense, measure_max_tokens, quantized_supported)
+from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 

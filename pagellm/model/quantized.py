@@ -27,7 +27,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +34,12 @@ from torch import nn
 
 from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
                              quantized_linear_int8)
+from pagellm.model.torch_matmul import (TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight,
+                                        packed_linear, packed_weights_supported)
 
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
 PANEL_SIZE = 16  # output rows per panel of the int8 kernel
 INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
-# Steps of up to this many tokens may multiply 4-bit codes with torch's weight-only int4
-# kernel instead (bf16 activations): it beats ours 2x at 1-8 tokens on an AVX512 CPU, and
-# slows down past that (1.35 ms over 30 gate_up layers at 1 token, 4.8 at 8).
-TORCH_INT4_MAX_TOKENS = 8
 CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, INT8_MIN_TOKENS, 16, 32, 64, 128, 512)
 # A shape whose quantized path still wins at the largest candidate keeps it at every size:
 # from there on both paths run at their compute peak.
@@ -50,9 +47,6 @@ ANY_TOKENS = sys.maxsize
 # Layers of a shape timed together, times tokens: all of SmolLM2's 30 layers up to 64
 # tokens, fewer beyond, where the weights' place in memory no longer matters.
 MEASURED_LAYER_TOKENS = 2048
-# The step size oneDNN is told to expect when it packs a weight: a decode step's, where the
-# dense path is bound by reading the weights.
-PACKED_BATCH_HINT = 64
 # The step size at which the int8 path is compared with a dense matmul before the float
 # weights load: compute-bound, where a dense matmul does best against quantized codes.
 PROBE_TOKENS = CANDIDATE_MAX_TOKENS[-1]
@@ -149,45 +143,6 @@ class Int8Panels:
     codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit)
     scales: torch.Tensor  # [P, in // 32, 16] float32
     zeros: torch.Tensor  # [P, in // 32, 16] float32
-
-
-def packed_weights_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN multiplies bf16 on this CPU (AVX512-BF16 or AMX) from packed weights."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] bf16 weight in oneDNN's blocked layout, for `packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_BATCH_HINT)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-                  ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@dataclasses.dataclass
-class TorchInt4:
-    """4-bit codes for torch's weight-only int4 CPU kernel, which computes w = (code - 8) *
-    scale + zero per group of 32, as GroupQuantWeight does: the file's codes, their scales
-    and zeros rounded to bf16."""
-
-    ROWS: ClassVar[int] = 16  # the kernel wants whole multiples of this many output rows
-
-    codes: torch.Tensor  # torch's packed layout
-    scales_and_zeros: torch.Tensor  # [in // 32, out, 2] bf16
-
-    @staticmethod
-    def of(weight: GroupQuantWeight) -> TorchInt4:
-        zeros = torch.zeros_like(weight.scales) if weight.zeros is None else weight.zeros
-        pairs = torch.stack([weight.scales.t(), zeros.t()], dim=-1).to(torch.bfloat16)
-        codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
-        return TorchInt4(codes, pairs.contiguous())
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.codes, GROUP_SIZE,
-                                                          self.scales_and_zeros)
 
 
 def quantized_supported(device: torch.device) -> bool:
