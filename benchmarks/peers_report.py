@@ -61,6 +61,9 @@ def machine() -> str:
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     isa = torch.backends.cpu.get_cpu_capability()
+    flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    isa += " + AMX" if "amx_tile" in flags else ""
     return (f"{cpu}, {os.cpu_count()} cores, {isa}; pagellm computes in "
             f"{str(engine_dtype()).removeprefix('torch.')}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {version('transformers')}, "

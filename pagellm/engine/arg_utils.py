@@ -40,14 +40,15 @@ _HELP = {
                        "needs the second KV tier; auto picks the cheaper per request)",
     "gguf_quantized_max_tokens": "steps of at most this many tokens multiply a GGUF's "
                                  "Q4_0/Q4_1/Q4_K/Q5_K/Q8_0 matrices as stored (pagellm's CPU "
-                                 "kernel), the dequantized weights above; default: any size "
-                                 "under int8 activations (no dequantized copy), else measured "
-                                 "at start-up; 0: always the dequantized weights",
+                                 "kernel), the dequantized weights above; default: measured "
+                                 "at start-up (any size, with no dequantized copy, where int8 "
+                                 "activations beat the dense matmul); 0: always the "
+                                 "dequantized weights",
     "gguf_int8_activations": "in steps of 12 tokens or more, multiply a GGUF's codes with the "
                              "activations rounded to int8 per 32 inputs, as llama.cpp does "
                              "(on AVX2, twice float32's speed for 4-bit codes, 1.2x for 8-bit "
-                             "ones); --no-gguf-int8-activations: float32, the exact dequantized "
-                             "model",
+                             "ones; on AMX tiles where the CPU has them); "
+                             "--no-gguf-int8-activations: float32, the exact dequantized model",
 }
 
 
