@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,6 +166,41 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
     if tokens >= 12:  # and the rounding is visible
         assert (got.float() - x.float() @ weight.dequantize().T).abs().max() > 1e-3
+
+
+AVX2_INT8_PRODUCTS = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized import int8_products
+torch.save(int8_products(), sys.argv[2])
+"""
+
+
+def int8_products() -> list[torch.Tensor]:
+    """The int8 kernel's outputs for 4-bit and 8-bit codes, float32 and bf16, 12 to 50 rows
+    (whole and partial tiles of 16), an odd number of groups (9) and a partial panel."""
+    outputs = []
+    for bits, dtype, tokens in ((4, torch.float32, 50), (4, torch.bfloat16, 12),
+                                (8, torch.float32, 33), (8, torch.bfloat16, 16)):
+        weight = random_weight(bits, 203, 288, with_zeros=bits == 4)
+        layer = Linear(288, 203, bias=False).to(dtype)
+        layer.attach_quantized(weight, max_tokens=1024, int8_activations=True)
+        x = torch.randn(tokens, 288, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        outputs.append(layer.quantized_forward(x))
+    return outputs
+
+
+@needs_int8
+@pytest.mark.skipif("amx_int8" not in Path("/proc/cpuinfo").read_text(),
+                    reason="no AMX tiles on this CPU")
+def test_amx_tiles_give_the_avx2_kernels_results_exactly(tmp_path: Path) -> None:
+    """The same integer sums, then the same float32 operations in the same order per group:
+    equal to the bit, with PAGELLM_AMX=0 keeping the AVX2 kernel in another process."""
+    saved = tmp_path / "avx2.pt"
+    subprocess.run([sys.executable, "-c", AVX2_INT8_PRODUCTS, str(Path(__file__).parent),
+                    str(saved)], env={**os.environ, "PAGELLM_AMX": "0"}, check=True)
+    for amx, avx2 in zip(int8_products(), torch.load(saved), strict=True):
+        assert torch.equal(amx, avx2)
 
 
 def test_kernel_codes_pack_two_elements_per_byte_in_gguf_order() -> None:

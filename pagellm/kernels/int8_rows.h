@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -91,6 +92,26 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&&
     }
   });
   return rows;
+}
+
+// Calls multiply(y, x, m, k, n, codes, scales, zeros) with pointers of x's dtype and of the
+// panels' code type (uint8_t: 4-bit codes, int8_t: 8-bit ones): one kernel's `run`.
+template <typename Multiply>
+void dispatch_int8_panels(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
+                          const at::Tensor& scales, const at::Tensor& zeros, Multiply&& multiply) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
+    using T = decltype(tag);
+    T* out = y.mutable_data_ptr<T>();
+    const T* in = x.const_data_ptr<T>();
+    const float* s = scales.const_data_ptr<float>();
+    const float* z = zeros.const_data_ptr<float>();
+    if (panels.scalar_type() == at::kChar) {
+      multiply(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+    } else {
+      multiply(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+    }
+  });
 }
 
 }  // namespace pagellm::quantized

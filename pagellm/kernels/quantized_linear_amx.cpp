@@ -11,12 +11,14 @@
 //
 // 4-bit codes (uint8 panels) take the signed x unsigned product, 8-bit ones (int8) the
 // signed x signed one. The OS must grant the tiles' state once per process (arch_prctl);
-// where it does not, or the CPU has no AMX, the AVX2 kernel runs instead.
+// where it does not, the CPU has no AMX, or PAGELLM_AMX=0, the AVX2 kernel runs instead.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <initializer_list>
 #include <type_traits>
 
@@ -37,8 +39,13 @@ constexpr int kRows = 16;  // activation rows per tile: the accumulator register
 constexpr long kRequestTileState = 0x1023;  // ARCH_REQ_XCOMP_PERM
 constexpr long kTileData = 18;              // XFEATURE_XTILEDATA
 
+// PAGELLM_AMX=0 keeps the AVX2 kernel (to compare the two, or to rule the tiles out).
 bool tiles_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, kRequestTileState, kTileData) == 0;
+  static const bool permitted = [] {
+    const char* setting = std::getenv("PAGELLM_AMX");
+    if (setting != nullptr && std::string_view(setting) == "0") return false;
+    return syscall(SYS_arch_prctl, kRequestTileState, kTileData) == 0;
+  }();
   return permitted;
 }
 
@@ -152,19 +159,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros) {
   if (!tiles_permitted()) return false;
-  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
-    using T = decltype(tag);
-    T* out = y.mutable_data_ptr<T>();
-    const T* in = x.const_data_ptr<T>();
-    const float* s = scales.const_data_ptr<float>();
-    const float* z = zeros.const_data_ptr<float>();
-    if (panels.scalar_type() == at::kChar) {
-      run<T, int8_t>(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
-    } else {
-      run<T, uint8_t>(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
-    }
-  });
+  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run(args...); });
   return true;
 }
 

@@ -195,7 +195,7 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
                   y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
               "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
-  const int64_t m = x.size(0), k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
+  const int64_t k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
   const bool signed_codes = panels.scalar_type() == at::kChar;
   TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() &&
                   (signed_codes || panels.scalar_type() == at::kByte) &&
@@ -209,18 +209,7 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                 "[ceil(N / 16), K / 32, 16]");
   }
   if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
-  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
-    using T = decltype(tag);
-    T* out = y.mutable_data_ptr<T>();
-    const T* in = x.const_data_ptr<T>();
-    const float* s = scales.const_data_ptr<float>();
-    const float* z = zeros.const_data_ptr<float>();
-    if (signed_codes) {
-      run<T, int8_t>(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
-    } else {
-      run<T, uint8_t>(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
-    }
-  });
+  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run(args...); });
 }
 
 }  // namespace
