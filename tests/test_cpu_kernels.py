@@ -158,3 +158,24 @@ def test_kv_cache_write_rejects_a_slot_outside_the_cache() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         write_kv_cache(cache, rows, rows, torch.tensor([8]))
     assert not cache.any()
+
+
+def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.MonkeyPatch):
+    """The first build (with AMX's flags) fails, the second leaves exactly those out."""
+    import torch.utils.cpp_extension
+
+    import pagellm.kernels as kernels
+
+    builds: list[list[str]] = []
+
+    def load(**kwargs) -> None:
+        builds.append(kwargs["extra_cflags"])
+        if any(flag.startswith("-mamx") for flag in kwargs["extra_cflags"]):
+            raise RuntimeError("c++: error: unrecognized command-line option '-mamx-tile'")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2", *kernels._AMX_FLAGS])
+    assert kernels.cpu_kernels_available.__wrapped__()
+    assert len(builds) == 2
+    assert builds[0][-3:] == ["-mavx2", "-mamx-tile", "-mamx-int8"]
+    assert builds[1] == builds[0][:-2]

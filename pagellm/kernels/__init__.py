@@ -47,18 +47,24 @@ def cpu_kernels_available() -> bool:
     from torch.utils.cpp_extension import load
 
     capability = torch.backends.cpu.get_cpu_capability()
-    try:
-        load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}",
-             sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
-             extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
-                           *_isa_flags(capability)],
-             extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, build error
-        logger.warning("CPU kernels unavailable, using torch ops instead (slower): %s",
-                       str(error).splitlines()[0] if str(error) else type(error).__name__)
-        return False
-    return True
+    flags = _isa_flags(capability)
+    # a compiler without AMX's flags (before GCC 11) still builds everything else
+    without_amx = [flag for flag in flags if flag not in _AMX_FLAGS]
+    for attempt, isa in enumerate([flags] if without_amx == flags else [flags, without_amx]):
+        try:
+            load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}_{attempt}",
+                 sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
+                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", *isa],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            return True
+        except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, build error
+            logger.warning("CPU kernels could not be built with [%s]: %s", " ".join(isa),
+                           str(error).splitlines()[0] if str(error) else type(error).__name__)
+    logger.warning("CPU kernels unavailable, using torch ops instead (slower)")
+    return False
+
+
+_AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 
 
 def _isa_flags(capability: str) -> list[str]:
@@ -68,7 +74,7 @@ def _isa_flags(capability: str) -> list[str]:
     if capability == "AVX512" and _cpu_has("avx512_bf16"):
         flags = [*flags, "-mavx512bf16"]
     if capability == "AVX512" and _cpu_has("amx_tile") and _cpu_has("amx_int8"):
-        flags = [*flags, "-mamx-tile", "-mamx-int8"]
+        flags = [*flags, *_AMX_FLAGS]
     return flags
 
 
