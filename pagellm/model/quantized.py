@@ -16,8 +16,9 @@ ones; no longer exactly the dequantized model. Those layers also keep their code
 unpacked into the int8 kernel's panels. Whether they also need float weights is measured
 before any are loaded (`int8_beats_dense`): on an AVX2 CPU the int8 path wins at every
 step size, so the layers keep nothing else (the float weights would be 4-8x their
-bytes); on a CPU whose dense matmul runs on AMX tiles (about 10x AVX2's bf16 rate), the
-dense one wins from a few tokens on, and the layers keep both forms like the others.
+bytes); on a CPU whose bf16 matmul runs on AMX tiles (2.9 TFLOP/s on two cores, 7x the
+AVX2 int8 kernel), the dense one wins from a few tokens on, and the layers keep both
+forms like the others.
 """
 
 from __future__ import annotations
@@ -260,12 +261,9 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
     float weights (a dense matmul's time does not depend on the values), so before any are
     loaded. Where the int8 path wins there, it wins at every size: smaller steps are bound
     by reading the weights, of which the codes are 4-8x fewer bytes."""
-    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
-    for layer in layers:
-        if layer.int8_panels is not None and layer.quantized is not None:
-            shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
     winners = []
-    for (in_features, out_features, _), group in shapes.items():
+    with_panels = [layer for layer in layers if layer.int8_panels is not None]
+    for (in_features, out_features, _), group in _by_shape(with_panels).items():
         x = torch.randn(PROBE_TOKENS, in_features).to(dtype)
         dense = Linear(in_features, out_features, bias=False).to(dtype)
         if packed_weights_supported(dtype, x.device):
@@ -281,12 +279,9 @@ def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
     both 1 and TORCH_INT4_MAX_TOKENS tokens (30 layers timed together, as a decode step
     reads them); drop it elsewhere (its kernel is scalar for some dtypes and CPUs). Returns
     the shapes that kept it."""
-    shapes: dict[tuple[int, int], list[Linear]] = defaultdict(list)
-    for layer in layers:
-        if layer.torch_int4 is not None:
-            shapes[(layer.in_features, layer.out_features)].append(layer)
     kept = []
-    for (in_features, out_features), group in shapes.items():
+    with_int4 = [layer for layer in layers if layer.torch_int4 is not None]
+    for (in_features, out_features, _), group in _by_shape(with_int4).items():
         timed = group[:MEASURED_LAYER_TOKENS // TORCH_INT4_MAX_TOKENS]
         wins = True
         for tokens in (1, TORCH_INT4_MAX_TOKENS):
@@ -295,11 +290,21 @@ def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
             theirs = _best_seconds(lambda: [layer.torch_int4.matmul(x)  # type: ignore[union-attr]
                                             for layer in timed])
             wins = wins and theirs < ours
-        for layer in group if not wins else ():
-            layer.torch_int4 = None
         if wins:
             kept.append(f"{in_features}x{out_features}")
+        else:
+            for layer in group:
+                layer.torch_int4 = None
     return kept
+
+
+def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int], list[Linear]]:
+    """Quantized layers by (in features, out features, code bits)."""
+    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
+    for layer in layers:
+        assert layer.quantized is not None
+        shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
+    return shapes
 
 
 def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
@@ -308,12 +313,8 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
     if none, or ANY_TOKENS if the largest. Layers of one shape are timed together, in one
     pass over them, so that small steps read the weights from memory as a model step does.
     Every candidate is timed (see `max_tokens_from_wins`). Returns the sizes by shape."""
-    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
-    for layer in layers:
-        assert layer.quantized is not None
-        shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
     chosen = {}
-    for (in_features, out_features, bits), group in shapes.items():
+    for (in_features, out_features, bits), group in _by_shape(layers).items():
         wins = []
         for tokens in CANDIDATE_MAX_TOKENS:
             x = torch.randn(tokens, in_features).to(dtype)
