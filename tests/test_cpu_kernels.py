@@ -108,10 +108,12 @@ def test_sampling_noise_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spread.min() < -2 and spread.max() > 8  # -log(-log u) for u near 0, and near 1
 
 
-def test_argmax_rows_matches_torch_on_ties_infinities_and_nan() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_matches_torch_on_ties_infinities_and_nan(dtype: torch.dtype) -> None:
     """First index of the largest value, as torch answers: ties inside and across the
-    kernel's chunks of 64, rows of -inf, and NaN (which torch ranks above everything)."""
-    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2))
+    kernel's chunks of 64, rows of -inf, and NaN (which torch ranks above everything). In
+    the model's dtypes too: a greedy step takes the argmax of bf16 logits as they are."""
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(2)).to(dtype)
     logits[1, [5, 700]] = 50.0  # tie, chunks apart
     logits[2, [130, 131]] = 50.0  # tie within a chunk
     logits[3] = float("-inf")

@@ -64,6 +64,20 @@ def test_mixed_greedy_and_random_rows() -> None:
     assert tokens[1] in logits[1].topk(3).indices.tolist()
 
 
+def test_bf16_logits_sample_as_their_float32_values() -> None:
+    """A bf16 model's logits reach the sampler as they are: greedy rows take their argmax
+    directly, and every row that edits or draws widens them first, exactly, so each row gets
+    the token it gets from a float32 copy."""
+    logits = _random_logits(6, 300, seed=7).to(torch.bfloat16)
+    rows = [_row(temperature=0.0), _row(top_k=20, seed=3), _row(temperature=0.0, logprobs=2),
+            _row(temperature=0.0, output=[5, 6], presence_penalty=1.0),
+            _row(temperature=0.0, logit_bias={9: 3.0}), _row(top_p=0.9, min_p=0.05)]
+    assert _sample(logits, rows, seed=4) == _sample(logits.float(), rows, seed=4)
+    greedy = [_row(temperature=0.0) for _ in range(6)]
+    assert _process(logits, greedy) is logits  # nothing to edit: no float32 copy
+    assert _sample(logits, greedy) == logits.float().argmax(-1).tolist()
+
+
 def _allowed_and_drawn(logits: torch.Tensor, row: SamplingRow, draws: int = 512) -> set[int]:
     return set(_sample(logits.expand(draws, -1).contiguous(), [row] * draws))
 

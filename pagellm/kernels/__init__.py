@@ -186,9 +186,10 @@ def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.T
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> [R] int64, as logits.argmax(dim=-1) (first of ties, NaN wins)."""
-    if not (use_cpu_kernels(logits) and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.is_contiguous()):
+    """logits [R, V] (float32, bf16 or fp16) -> [R] int64, as logits.argmax(dim=-1) (first of
+    ties, NaN wins)."""
+    if not (use_cpu_kernels(logits) and logits.dim() == 2 and logits.is_contiguous()
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.pagellm.argmax_rows(out, logits)

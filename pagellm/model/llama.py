@@ -133,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden]` -> float32 `[N, vocab]`."""
-        return self.lm_head(hidden).float()
+        """`[N, hidden]` -> `[N, vocab]` in the model's dtype: the sampler widens to float32
+        only the rows and steps that need more than an argmax."""
+        return self.lm_head(hidden)
 
     @property
     def lm_head_is_tied(self) -> bool:

@@ -142,7 +142,7 @@ def _noise_keys(meta: RandomMetadata, num_rows: int, device: torch.device,
 
 def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generator | None) -> Tensor:
     """Token ids [R] for the random rows `logits` [R, V] (already penalized)."""
-    logits = logits / meta.temperature
+    logits = logits.float() / meta.temperature
     if meta.min_p_log is not None:
         logits = apply_min_p(logits, meta.min_p_log)
     if meta.top_p is not None:
@@ -178,7 +178,7 @@ class Sampler:
         expected = (metadata.num_rows, metadata.vocab_size)
         if tuple(logits.shape) != expected:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match metadata {expected}.")
-        processed = self.process_logits(logits.float(), metadata)
+        processed = self.process_logits(logits, metadata)
         token_ids = self._select(processed, metadata, generator)
         logprobs: list[TokenLogprobs | None] = [None] * metadata.num_rows
         if metadata.logprobs is not None:
@@ -189,7 +189,13 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-        """Min-tokens mask, logit bias and penalties (what greedy rows take the argmax of)."""
+        """Min-tokens mask, logit bias and penalties (what greedy rows take the argmax of), in
+        float32. Logits that need none stay in the model's dtype: the argmax of a greedy
+        step reads them as they are (a float32 copy of a [256, 49152] step cost 10 ms)."""
+        if (metadata.min_tokens_mask is None and metadata.logit_bias is None
+                and metadata.penalties is None):
+            return logits
+        logits = logits.float()
         if metadata.min_tokens_mask is not None:
             logits = _apply_edit(logits, metadata.min_tokens_mask, accumulate=False)
         if metadata.logit_bias is not None:
