@@ -98,15 +98,19 @@ def test_long_prompt_chunks_match_reference(decode_path, dim):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["bf16", "e4m3", "e5m2"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(HEADS, KV_HEADS, DIM), (6, 2, 64),
                                                       (9, 3, 128)])
-def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_heads, dim):
-    """Sharp attention (large scores) in bf16 must match float32 math on the same inputs.
-    Head sizes 64 and 128 take the kernel's compiled-size paths (and its bf16 dot-product
-    instruction where the CPU has one); 8 takes the generic one."""
+def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_heads, dim,
+                                                      cache_dtype):
+    """Sharp attention (large scores) in bf16 must match float32 math on the same inputs (the
+    keys and values as the cache rounds them). Head sizes 64 and 128 take the kernel's
+    compiled-size paths (and its bf16 dot-product instruction where the CPU has one, fp8
+    keys widened to bf16 for it); 8 takes the generic one."""
     torch.manual_seed(3)
     num_reqs, length = 3, 40
-    kv_cache = torch.zeros(2, kv_heads, 32, BLOCK, dim, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(2, kv_heads, 32, BLOCK, dim, dtype=cache_dtype)
     tables = [list(range(i * 10, i * 10 + 10))[::-1] for i in range(num_reqs)]
     keys = (torch.randn(num_reqs, length, kv_heads, dim) * 5 / math.sqrt(dim / DIM)).bfloat16()
     values = torch.randn(num_reqs, length, kv_heads, dim).bfloat16()
@@ -120,8 +124,9 @@ def test_bf16_decode_attention_keeps_float32_accuracy(decode_path, heads, kv_hea
     assert metadata.groups[0].all_tokens_in_order  # a decode-only step: no gather, no scatter
     query = (torch.randn(num_reqs, heads, dim) * 5).bfloat16()
     out = paged_attention(query, keys[:, -1], values[:, -1], kv_cache, metadata, dim ** -0.5)
-    expected = torch.cat([reference_attention(query[r:r + 1].float(), keys[r].float(),
-                                              values[r].float(), length - 1)
+    expected = torch.cat([reference_attention(query[r:r + 1].float(),
+                                              keys[r].to(cache_dtype).float(),
+                                              values[r].to(cache_dtype).float(), length - 1)
                           for r in range(num_reqs)])
     # With bf16 scores and probabilities this misses by 0.066; float32 math by 0.004 (the
     # rounding of the bf16 output).

@@ -90,10 +90,32 @@ inline void widen(float* out, const T* row, int64_t n) {
 // subnormal inputs would take a microcode assist): e5m2 is float16's top byte; e4m3's
 // exponent and mantissa shifted into float16's place read 2^8 too small, which one
 // multiply fixes.
+#if defined(__AVX512F__)
+// 16 fp8 values as float32, the same way on 512-bit registers.
+template <bool kE4M3>
+inline __m512 widen16_fp8(const uint8_t* bytes) {
+  const __m256i words =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  if constexpr (kE4M3) {
+    const __m256i magnitude =
+        _mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(0x3F80));
+    const __m256i sign =
+        _mm256_and_si256(_mm256_slli_epi16(words, 8), _mm256_set1_epi16(-0x8000));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)),
+                         _mm512_set1_ps(256.f));
+  } else {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(words, 8));
+  }
+}
+#endif
+
 template <bool kE4M3, typename T>
 inline void widen_fp8(float* out, const T* row, int64_t n) {
   const auto* bytes = reinterpret_cast<const uint8_t*>(row);
   int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, widen16_fp8<kE4M3>(bytes + i));
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m128i words =
         _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
