@@ -27,7 +27,8 @@ _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "quantized_linear_amx.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
                                       "prefill_attention.cpp", "write_kv.cpp")]
-_HEADERS = [_HERE / "vectorizable.h", _HERE / "quantized_linear.h", _HERE / "int8_rows.h"]
+_HEADERS = [_HERE / name for name in ("vectorizable.h", "quantized_linear.h", "int8_rows.h",
+                                      "attention_scores.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as

@@ -139,6 +139,24 @@ inline void widen(float* out, const c10::Float8_e5m2* row, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 consecutive values of any cache dtype as float32, in a register.
+inline __m512 widen16(const float* values) { return _mm512_loadu_ps(values); }
+inline __m512 widen16(const c10::BFloat16* values) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 widen16(const c10::Half* values) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+}
+inline __m512 widen16(const c10::Float8_e4m3fn* values) {
+  return widen16_fp8<true>(reinterpret_cast<const uint8_t*>(values));
+}
+inline __m512 widen16(const c10::Float8_e5m2* values) {
+  return widen16_fp8<false>(reinterpret_cast<const uint8_t*>(values));
+}
+#endif
+
 // `value` rounded to T's precision, still as float.
 inline float rounded(float value, const float*) { return value; }
 inline float rounded(float value, const c10::Half*) {
