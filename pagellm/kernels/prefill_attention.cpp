@@ -1,4 +1,5 @@
-// Causal attention of prompt chunks over the paged KV cache, for CPUs with AVX2 and FMA.
+// Causal attention of prompt chunks over the paged KV cache, for CPUs with AVX2 and FMA
+// (on AVX512, the same tiles twice as wide).
 //
 // A chunk's queries sit at positions seq_len - query_len .. seq_len - 1 of their request
 // and see every key up to their own position: cached prefix and chunk alike, read in
@@ -6,10 +7,10 @@
 // tokens of one request times the query heads sharing one kv head. It walks the key
 // blocks once, with an online softmax, and keeps its query rows along the vector lanes:
 //   - the queries are transposed once per item (Qt [head_dim, rows]), so scores of 4
-//     keys x 16 rows are a register tile of FMAs, each key value broadcast;
+//     keys x 16 rows (32 on AVX512) are a register tile of FMAs, each key value broadcast;
 //   - the softmax over a block's keys is then elementwise across rows;
 //   - the output (Ot [head_dim, rows]) gathers values the same way, tiles of 4 dims x 16
-//     rows, rescaled by the softmax's correction as the tile is loaded.
+//     (or 32) rows, rescaled by the softmax's correction as the tile is loaded.
 // Keys past a row's position are masked only in the blocks that hold some (the diagonal);
 // blocks past the item's last position are never read. Everything computes in float32.
 #include <ATen/Parallel.h>
@@ -33,54 +34,75 @@ using pagellm::load;
 using pagellm::store;
 using pagellm::widen;
 
-constexpr int64_t kItemTokens = 32;  // query tokens per work item
-constexpr int64_t kLanes = 16;       // query rows per register tile: two ymm
-constexpr int64_t kTile = 4;         // keys (scores) or head dims (output) per register tile
+// The register tiles' vectors: two per key or dim of a tile, 8 independent sums of FMAs.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+inline Vec load_vec(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_vec(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec zero_vec() { return _mm512_setzero_ps(); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+#else
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+inline Vec load_vec(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_vec(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec zero_vec() { return _mm256_setzero_ps(); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+#endif
+
+constexpr int64_t kItemTokens = 32;     // query tokens per work item
+constexpr int64_t kLanes = 2 * kWidth;  // query rows per register tile: two vectors
+constexpr int64_t kTile = 4;            // keys (scores) or head dims (output) per register tile
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
 };
 
-// s[j][r0..r0+16) = sum_i keys[j][i] * qt[i][r0..r0+16) for the 4 keys of `keys`.
+// s[j][r0..r0+kLanes) = sum_i keys[j][i] * qt[i][r0..r0+kLanes) for the 4 keys of `keys`.
 inline void score_tile(float* s, const float* keys, const float* qt, int64_t d, int64_t rows,
                        int64_t r0) {
-  __m256 acc[kTile][2];
-  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
+  Vec acc[kTile][2];
+  for (auto& pair : acc) pair[0] = pair[1] = zero_vec();
   for (int64_t i = 0; i < d; ++i) {
-    const __m256 q0 = _mm256_loadu_ps(qt + i * rows + r0), q1 = _mm256_loadu_ps(qt + i * rows + r0 + 8);
+    const Vec q0 = load_vec(qt + i * rows + r0), q1 = load_vec(qt + i * rows + r0 + kWidth);
     for (int64_t j = 0; j < kTile; ++j) {
-      const __m256 key = _mm256_broadcast_ss(keys + j * d + i);
-      acc[j][0] = _mm256_fmadd_ps(key, q0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(key, q1, acc[j][1]);
+      const Vec key = broadcast(keys + j * d + i);
+      acc[j][0] = fmadd(key, q0, acc[j][0]);
+      acc[j][1] = fmadd(key, q1, acc[j][1]);
     }
   }
   for (int64_t j = 0; j < kTile; ++j) {
-    _mm256_storeu_ps(s + j * rows + r0, acc[j][0]);
-    _mm256_storeu_ps(s + j * rows + r0 + 8, acc[j][1]);
+    store_vec(s + j * rows + r0, acc[j][0]);
+    store_vec(s + j * rows + r0 + kWidth, acc[j][1]);
   }
 }
 
-// ot[i0 + i][r0..r0+16) = ot[..] * correction[r0..] + sum_j values[j][i0 + i] * p[j][r0..]
+// ot[i0 + i][r0..r0+kLanes) = ot[..] * correction[r0..] + sum_j values[j][i0 + i] * p[j][r0..]
 // for the 4 dims from i0, over `count` keys.
 inline void accumulate_tile(float* ot, const float* values, const float* p, const float* correction,
                             int64_t count, int64_t d, int64_t rows, int64_t i0, int64_t r0) {
-  const __m256 c0 = _mm256_loadu_ps(correction + r0), c1 = _mm256_loadu_ps(correction + r0 + 8);
-  __m256 acc[kTile][2];
+  const Vec c0 = load_vec(correction + r0), c1 = load_vec(correction + r0 + kWidth);
+  Vec acc[kTile][2];
   for (int64_t i = 0; i < kTile; ++i) {
-    acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(ot + (i0 + i) * rows + r0), c0);
-    acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(ot + (i0 + i) * rows + r0 + 8), c1);
+    acc[i][0] = mul(load_vec(ot + (i0 + i) * rows + r0), c0);
+    acc[i][1] = mul(load_vec(ot + (i0 + i) * rows + r0 + kWidth), c1);
   }
   for (int64_t j = 0; j < count; ++j) {
-    const __m256 p0 = _mm256_loadu_ps(p + j * rows + r0), p1 = _mm256_loadu_ps(p + j * rows + r0 + 8);
+    const Vec p0 = load_vec(p + j * rows + r0), p1 = load_vec(p + j * rows + r0 + kWidth);
     for (int64_t i = 0; i < kTile; ++i) {
-      const __m256 value = _mm256_broadcast_ss(values + j * d + i0 + i);
-      acc[i][0] = _mm256_fmadd_ps(value, p0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(value, p1, acc[i][1]);
+      const Vec value = broadcast(values + j * d + i0 + i);
+      acc[i][0] = fmadd(value, p0, acc[i][0]);
+      acc[i][1] = fmadd(value, p1, acc[i][1]);
     }
   }
   for (int64_t i = 0; i < kTile; ++i) {
-    _mm256_storeu_ps(ot + (i0 + i) * rows + r0, acc[i][0]);
-    _mm256_storeu_ps(ot + (i0 + i) * rows + r0 + 8, acc[i][1]);
+    store_vec(ot + (i0 + i) * rows + r0, acc[i][0]);
+    store_vec(ot + (i0 + i) * rows + r0 + kWidth, acc[i][1]);
   }
 }
 
