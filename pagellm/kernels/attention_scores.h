@@ -86,6 +86,37 @@ bool score_with_dot_instruction(float* scores, int64_t stride, const T* query, c
   return false;
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 bits of every fp8 magnitude (codes 0-127, sign apart), 32 per register: fp8 to
+// bf16 is then two table lookups per 32 values, where widening through float16 and float32
+// took ten instructions per 16.
+template <bool kE4M3>
+struct Fp8Bf16Table {
+  __m512i parts[4];
+
+  Fp8Bf16Table() {
+    alignas(64) uint16_t bits[128];
+    for (int code = 0; code < 128; ++code) {  // exact: the float32 value has 7 bits or fewer
+      const float value = kE4M3 ? fp8_to_float(static_cast<uint8_t>(code), 3, 0x1p120f)
+                                : fp8_to_float(static_cast<uint8_t>(code), 2, 0x1p112f);
+      bits[code] = static_cast<uint16_t>(float_to_bits(value) >> 16);
+    }
+    for (int i = 0; i < 4; ++i) parts[i] = _mm512_load_si512(bits + 32 * i);
+  }
+
+  // 32 fp8 codes as bf16 bits.
+  __m512i lookup(const uint8_t* codes) const {
+    const __m512i words =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i low = _mm512_permutex2var_epi16(parts[0], words, parts[1]);  // codes 0-63
+    const __m512i high = _mm512_permutex2var_epi16(parts[2], words, parts[3]);
+    const __mmask32 upper = _mm512_test_epi16_mask(words, _mm512_set1_epi16(0x40));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(words, _mm512_set1_epi16(0x80)), 8);
+    return _mm512_or_si512(_mm512_mask_blend_epi16(upper, low, high), sign);
+  }
+};
+#endif
+
 // fp8 keys scored as bf16 ones (score_with_dot_instruction): a block's rows are widened to
 // bf16 first, exactly (every e4m3 and e5m2 value is a bf16 value), into `widened`,
 // requesting `next` (unless null) a line per 64 keys' values along the way. Widened to
@@ -99,12 +130,11 @@ bool score_fp8_with_dot_instruction(float* scores, int64_t stride, const T* quer
   constexpr bool kE4M3 = std::is_same_v<C, c10::Float8_e4m3fn>;
   constexpr bool kFp8 = kE4M3 || std::is_same_v<C, c10::Float8_e5m2>;
   if constexpr (kFp8 && std::is_same_v<T, c10::BFloat16> && kDim > 0 && kDim % 32 == 0) {
+    static const Fp8Bf16Table<kE4M3> table;
     const auto* bytes = reinterpret_cast<const uint8_t*>(keys);
-    for (int64_t i = 0; i < count * kDim; i += 16) {
+    for (int64_t i = 0; i < count * kDim; i += 32) {
       if (next != nullptr && i % 64 == 0) __builtin_prefetch(next + i);
-      const __m512 wide = pagellm::widen16_fp8<kE4M3>(bytes + i);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(widened + i),
-                          (__m256i)_mm512_cvtneps_pbh(wide));
+      _mm512_storeu_si512(widened + i, table.lookup(bytes + i));
     }
     return score_with_dot_instruction<T, c10::BFloat16, kDim>(scores, stride, query, widened,
                                                               count, group, scale);
