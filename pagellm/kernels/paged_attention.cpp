@@ -102,29 +102,13 @@ inline void fold_block_scores(Running& head, float* scores, int64_t count, int64
   head.total += total;
 }
 
-// sum[0:d] += sum over t of weights[t] * rows[t]. On AVX2 or AVX512 with a compiled head
-// size, 64 sums at a time are held in registers across the rows: left to GCC, they went
-// through the stack, and each row waited on the previous row's stores.
+// sum[0:d] += sum over t of weights[t] * rows[t], where add_weighted_block does not apply.
+// On AVX2 with a compiled head size, 64 sums at a time are held in eight registers across
+// the rows: left to GCC, they went through the stack, and each row waited on the previous
+// row's stores.
 template <int64_t kDim>
 inline void add_weighted_rows(float* sum, const float* weights, const float* rows, int64_t count,
                               int64_t d) {
-#if defined(__AVX512F__)
-  if constexpr (kDim > 0 && kDim % 64 == 0) {  // the same with 16 lanes: 4 registers
-    for (int64_t c = 0; c < kDim; c += 64) {
-      __m512 local[4];
-      for (int i = 0; i < 4; ++i) local[i] = _mm512_loadu_ps(sum + c + 16 * i);
-      for (int64_t t = 0; t < count; ++t) {
-        const __m512 weight = _mm512_set1_ps(weights[t]);
-        for (int i = 0; i < 4; ++i) {
-          local[i] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + t * kDim + c + 16 * i),
-                                     local[i]);
-        }
-      }
-      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(sum + c + 16 * i, local[i]);
-    }
-    return;
-  }
-#endif
 #if defined(__AVX2__)
   if constexpr (kDim > 0 && kDim % 64 == 0) {
     for (int64_t c = 0; c < kDim; c += 64) {
@@ -177,8 +161,8 @@ void add_weighted_cached_rows(Running* heads, const float* weights, int64_t stri
 // Every head's weighted sum of one block's values, read in place: 64 dims of up to four
 // heads per pass, so that a head group of 3 (SmolLM2's) reads each row once, where widening
 // the block to float32 first, then summing head by head, read it four times (14% faster
-// over cached blocks, SmolLM2's shape). False where it
-// does not apply (no AVX512, head sizes not a multiple of 64), leaving it to the caller.
+// over cached blocks, SmolLM2's shape). False where it does not apply (no AVX512, head
+// sizes not a multiple of 64), leaving it to the caller.
 template <typename C, int64_t kDim>
 bool add_weighted_block(Running* heads, const float* weights, int64_t stride, const C* rows,
                         const C* ahead, int64_t count, int64_t group) {
