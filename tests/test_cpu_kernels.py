@@ -179,5 +179,5 @@ def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.
     monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2", *kernels._AMX_FLAGS])
     assert kernels.cpu_kernels_available.__wrapped__()
     assert len(builds) == 2
-    assert builds[0][-3:] == ["-mavx2", "-mamx-tile", "-mamx-int8"]
-    assert builds[1] == builds[0][:-2]
+    assert builds[0][-4:] == ["-mavx2", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+    assert builds[1] == builds[0][:-3]

@@ -17,9 +17,11 @@ from tiny_models import write_tiny_gguf
 import pagellm.model.gguf_weights as gguf_weights_module
 import pagellm.model.loader as loader_module
 import pagellm.model.quantized as quantized_module
+import pagellm.model.quantized_timing as timing_module
 from pagellm.kernels import cpu_kernels_available
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.model.quantized import ANY_TOKENS, Linear, measure_max_tokens
+from pagellm.model.quantized import ANY_TOKENS, Linear
+from pagellm.model.quantized_timing import measure_max_tokens
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 PROJECTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -33,7 +35,7 @@ def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:
         layer.attach_quantized(random_weight(4, rows, 256, with_zeros=True), max_tokens=16)
         layers.append(layer)
     assert [layer.torch_int4 is not None for layer in layers] == [True, True, True, False, False]
-    kept = quantized_module.choose_torch_int4(layers)
+    kept = timing_module.choose_torch_int4(layers)
     assert set(kept) <= {"256x64", "256x96"}
     assert [layer.torch_int4 is not None for layer in layers] == [
         "256x64" in kept, "256x64" in kept, "256x96" in kept, False, False]
@@ -65,23 +67,26 @@ def test_max_tokens_are_measured_per_layer_shape() -> None:
         layers.append(layer)
     sizes = measure_max_tokens(layers, torch.float32)
     assert sorted(sizes) == ["1024x1024 Q4", "1024x512 Q4"]
-    assert set(sizes.values()) <= {0, *quantized_module.CANDIDATE_MAX_TOKENS[:-1],
-                                   quantized_module.ANY_TOKENS}
+    assert set(sizes.values()) <= {0, *timing_module.CANDIDATE_MAX_TOKENS[:-1],
+                                   ANY_TOKENS}
     assert [layer.quantized_max_tokens for layer in layers] == [
         sizes["1024x512 Q4"], sizes["1024x512 Q4"], sizes["1024x1024 Q4"]]
 
 
 def test_a_lone_win_or_loss_does_not_decide_the_step_size() -> None:
-    """Candidates 1, 2, 4, 8, 12, 16, 32, 64, 128, 512."""
-    decide = quantized_module.max_tokens_from_wins
-    assert decide([True, True, True, False, False, False, False, False, False, True]) == 4
-    assert decide([True, False, True, True, True, True, False, False, False, False]) == 16
-    assert decide([True, True, True, False, True, True, True, False, False, False]) == 32
-    assert decide([True, False, False, False, False, False, False, False, False, False]) == 1
-    assert decide([False, True, False, False, False, False, False, False, False, False]) == 0
-    assert decide([True] * 9 + [False]) == 128
-    assert decide([True] * 10) == ANY_TOKENS
-    assert decide([False] * 10) == 0
+    """Candidates 1, 2, 4, 8, 12, 16, 32, 64, 128, 512, 1024, 2048."""
+    decide = timing_module.max_tokens_from_wins
+    assert len(timing_module.CANDIDATE_MAX_TOKENS) == 12
+    o, x = True, False
+    assert decide([o, o, o, x, x, x, x, x, x, x, x, o]) == 4
+    assert decide([o, x, o, o, o, o, x, x, x, x, x, x]) == 16
+    assert decide([o, o, o, x, o, o, o, x, x, x, x, x]) == 32
+    assert decide([o, x, x, x, x, x, x, x, x, x, x, x]) == 1
+    assert decide([x, o, x, x, x, x, x, x, x, x, x, x]) == 0
+    assert decide([o] * 10 + [x, x]) == 512
+    assert decide([o] * 11 + [x]) == 1024
+    assert decide([o] * 12) == ANY_TOKENS
+    assert decide([x] * 12) == 0
 
 
 @needs_int8
@@ -94,7 +99,7 @@ def test_the_int8_probe_answers_for_whole_shapes_and_only_int8_layers() -> None:
         layer.attach_quantized(random_weight(4, rows, 1024, with_zeros=True), max_tokens=0,
                                int8_activations=int8)
         layers.append(layer)
-    winners = quantized_module.int8_beats_dense(layers, torch.float32)
+    winners = timing_module.int8_beats_dense(layers, torch.float32)
     assert layers[3] not in winners
     assert (layers[0] in winners) == (layers[1] in winners)
     assert set(winners) <= set(layers[:3])
@@ -115,14 +120,14 @@ def load_measured_int8(path: str, folder: Path, monkeypatch: pytest.MonkeyPatch,
     return loaded, dequantized
 
 
-def assert_same_outputs(loaded: LoadedModel, reference: LoadedModel) -> None:
+def assert_same_outputs(loaded: LoadedModel, reference: LoadedModel, atol: float = 1e-6) -> None:
     prompts = [list(range(3, 30)), list(range(50, 58))]
     results = {}
     for label, model in (("loaded", loaded), ("reference", reference)):
         cache = PagedCache(model.arch)
         prefill = cache.step(model.model, list(enumerate(prompts)))
         results[label] = (prefill, greedy_decode(cache, model.model, prefill, 8))
-    torch.testing.assert_close(results["loaded"][0], results["reference"][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results["loaded"][0], results["reference"][0], atol=atol, rtol=0)
     assert results["loaded"][1] == results["reference"][1]
 
 
@@ -170,7 +175,7 @@ def test_int8_projections_that_lose_to_dense_keep_float_weights_and_measured_for
     for layer in layers:
         assert not layer.dense_released and layer.weight.numel() > 0
         size = layer.quantized_max_tokens
-        assert size in {0, *quantized_module.CANDIDATE_MAX_TOKENS[:-1], ANY_TOKENS}
+        assert size in {0, *timing_module.CANDIDATE_MAX_TOKENS[:-1], ANY_TOKENS}
         assert (layer.quantized is not None) == (size > 0)
         assert (layer.int8_panels is not None) == (size >= quantized_module.INT8_MIN_TOKENS)
     by_hand = load_model(path, torch.float32, CPU, tokenizer=str(folder),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -24,11 +25,12 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "rotary_embedding.cpp", "activation.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
-                                      "quantized_linear_amx.cpp",
+                                      "quantized_linear_amx.cpp", "quantized_linear_bf16_amx.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
-                                      "prefill_attention.cpp", "write_kv.cpp")]
+                                      "prefill_attention.cpp", "write_kv.cpp",
+                                      "cache_eviction.cpp")]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "quantized_linear.h", "int8_rows.h",
-                                      "attention_scores.h")]
+                                      "attention_scores.h", "amx_tiles.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
@@ -65,17 +67,21 @@ def cpu_kernels_available() -> bool:
     return False
 
 
-_AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+_AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16")
 
 
 def _isa_flags(capability: str) -> list[str]:
-    """torch's instruction sets for this CPU, plus AVX512-BF16 and AMX's int8 tiles where the
-    CPU has them."""
+    """torch's instruction sets for this CPU, plus clflushopt, AVX512-BF16 and AMX's int8 and
+    bf16 tiles where the CPU has them."""
     flags = _ISA_FLAGS.get(capability, [])
+    if flags and _cpu_has("clflushopt"):
+        flags = [*flags, "-mclflushopt"]
     if capability == "AVX512" and _cpu_has("avx512_bf16"):
         flags = [*flags, "-mavx512bf16"]
     if capability == "AVX512" and _cpu_has("amx_tile") and _cpu_has("amx_int8"):
-        flags = [*flags, *_AMX_FLAGS]
+        flags = [*flags, "-mamx-tile", "-mamx-int8"]
+        if _cpu_has("amx_bf16") and "-mavx512bf16" in flags:
+            flags.append("-mamx-bf16")
     return flags
 
 
@@ -184,6 +190,42 @@ def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.T
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.pagellm.quantized_linear_int8(out, x, panels, scales, zeros)
     return out
+
+
+@functools.cache
+def bf16_tiles_available() -> bool:
+    """Whether quantized_linear_bf16_tiles was compiled (AMX-BF16) and the OS grants the
+    tiles (and PAGELLM_AMX is not 0)."""
+    return (cpu_kernels_available() and hasattr(torch.ops.pagellm, "bf16_tiles_permitted")
+            and torch.ops.pagellm.bf16_tiles_permitted())
+
+
+def quantized_linear_bf16_tiles(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+                                zeros: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T, W's 4-bit (uint8) or 8-bit (int8) codes in the kernel's tiles (see
+    quantized_linear_bf16_amx.cpp) widened to bf16 -> [M, N] bf16."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], out_features)
+    torch.ops.pagellm.quantized_linear_bf16_tiles(out, x, panels, scales, zeros)
+    return out
+
+
+def evict_from_cache(tensors: Iterable[torch.Tensor]) -> None:
+    """Flush these CPU tensors' bytes (oneDNN's packed ones too) from the caches (see
+    cache_eviction.cpp); nothing where the op was not built."""
+    if not (cpu_kernels_available() and hasattr(torch.ops.pagellm, "evict_from_cache")):
+        return
+    starts, sizes = [], []
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        if t.layout == torch._mkldnn:  # type: ignore[attr-defined]
+            starts.append(torch.ops.mkldnn.data_ptr(t))
+            sizes.append(torch.ops.mkldnn._nbytes(t))
+        else:
+            starts.append(t.data_ptr())
+            sizes.append(t.numel() * t.element_size())
+    torch.ops.pagellm.evict_from_cache(starts, sizes)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -17,17 +17,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <initializer_list>
 #include <type_traits>
 
+#include "amx_tiles.h"
 #include "quantized_linear.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "int8_rows.h"
 #include "vectorizable.h"
@@ -36,27 +33,6 @@ namespace pagellm::quantized {
 namespace {
 
 constexpr int kRows = 16;  // activation rows per tile: the accumulator registers
-constexpr long kRequestTileState = 0x1023;  // ARCH_REQ_XCOMP_PERM
-constexpr long kTileData = 18;              // XFEATURE_XTILEDATA
-
-// PAGELLM_AMX=0 keeps the AVX2 kernel (to compare the two, or to rule the tiles out).
-bool tiles_permitted() {
-  static const bool permitted = [] {
-    const char* setting = std::getenv("PAGELLM_AMX");
-    if (setting != nullptr && std::string_view(setting) == "0") return false;
-    return syscall(SYS_arch_prctl, kRequestTileState, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-// ldtilecfg faults on a configuration that is not 64-byte aligned.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0 and 1: sums (16 rows x 16 int32); 2 and 4: activations (16 rows x 32 int8); 3 and
 // 5: codes (8 rows x 64 bytes). Even groups use 0, 2, 3, odd ones 1, 4, 5.
@@ -65,9 +41,7 @@ void configure_tiles() {
   for (int sums : {0, 1}) config.rows[sums] = kRows, config.bytes_per_row[sums] = 64;
   for (int inputs : {2, 4}) config.rows[inputs] = kRows, config.bytes_per_row[inputs] = kGroup;
   for (int codes : {3, 5}) config.rows[codes] = kGroup / 4, config.bytes_per_row[codes] = 64;
-  // GCC 12 does not see that ldtilecfg reads the configuration and drops the stores above
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // A group's int32 sums into `sums`. GCC's tile intrinsics paste their tile numbers into the

@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_dense(shared=module is self.lm_head and self.lm_head_is_tied)
 
     def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
-                                 max_tokens: int, int8_activations: bool = False) -> list[Linear]:
+                                 max_tokens: int, int8_activations: bool = False,
+                                 bf16_tiles: bool = False) -> list[Linear]:
         """Give projections their quantized form for steps of at most `max_tokens` tokens. A
         fused projection gets one only if every shard has one; a tied output projection gets
         the embeddings'. Returns the layers that did."""
@@ -218,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             layer.attach_quantized(
                 GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)]), max_tokens,
-                int8_activations)
+                int8_activations, bf16_tiles)
             attached.append(layer)
         return attached
 

@@ -14,11 +14,14 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
 
+from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, GroupQuantWeight, Linear, choose_torch_int4,
-                                     int8_beats_dense, measure_max_tokens, quantized_supported)
+from pagellm.model.quantized import (ANY_TOKENS, TILES_MIN_TOKENS, GroupQuantWeight, Linear,
+                                     quantized_supported)
+from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
+                                            measure_max_tokens)
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
@@ -114,8 +117,10 @@ def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQu
                      dtype: torch.dtype) -> list[Linear]:
     """Before the float weights load: a layer whose int8 path beats the dense matmul keeps
     only its quantized form unless a maximum is set (the tied output projection excepted,
-    whose float weight is also the embedding table)."""
-    layers = net.attach_quantized_weights(weights, max_tokens or 0, int8_activations)
+    whose float weight is also the embedding table). A bf16 model on AMX-BF16 takes the
+    bf16 tiles instead of the int8 path."""
+    bf16_tiles = dtype == torch.bfloat16 and bf16_tiles_available()
+    layers = net.attach_quantized_weights(weights, max_tokens or 0, int8_activations, bf16_tiles)
     for layer in int8_beats_dense(layers, dtype) if max_tokens is None else ():
         if not (layer is net.lm_head and net.arch.tie_word_embeddings):
             layer.release_dense()
@@ -134,8 +139,10 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
     where torch's int4 kernel serves small steps better than pagellm's."""
     int4_shapes = choose_torch_int4(layers)
     if int4_shapes:
-        logger.info("Steps of up to %d tokens multiply with torch's int4 kernel: %s",
-                    TORCH_INT4_MAX_TOKENS, ", ".join(int4_shapes))
+        tiles = any(layer.bf16_tiles is not None for layer in layers)  # they take 2 tokens on
+        sizes = "1 token" if tiles else f"up to {TORCH_INT4_MAX_TOKENS} tokens"
+        logger.info("Steps of %s multiply with torch's int4 kernel: %s", sizes,
+                    ", ".join(int4_shapes))
     both = [layer for layer in layers if not layer.dense_released]
     if max_tokens is not None:
         how = f"at most {max_tokens}"
@@ -150,8 +157,12 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
     kept = [layer for layer in layers if layer.quantized is not None]
     extra = sum(layer.quantized_bytes() for layer in both) / (1 << 20)
     only = len(layers) - len(both)
-    int8 = any(layer.int8_panels is not None for layer in kept)
-    arithmetic = "with int8 activations" if int8 else "in float"
+    if any(layer.bf16_tiles is not None for layer in kept):
+        arithmetic = f"widened to bf16 on AMX tiles from {TILES_MIN_TOKENS} tokens"
+    elif any(layer.int8_panels is not None for layer in kept):
+        arithmetic = "with int8 activations"
+    else:
+        arithmetic = "in float"
     logger.info("Steps multiply the GGUF's quantized weights of %d projections (%s); %d keep "
                 "only those, %d also keep float ones (%.1f MiB more memory); tokens per step %s",
                 len(kept), arithmetic, only, len(kept) - only, extra, how)

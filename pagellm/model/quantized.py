@@ -19,14 +19,16 @@ step size, so the layers keep nothing else (the float weights would be 4-8x thei
 bytes); on a CPU whose bf16 matmul runs on AMX tiles (2.9 TFLOP/s on two cores, 7x the
 AVX2 int8 kernel), the dense one wins from a few tokens on, and the layers keep both
 forms like the others.
+
+On a CPU with AMX's bf16 tiles and a bf16 model, steps of 2 tokens or more instead widen
+the codes to bf16 a panel at a time and multiply them on the tiles (`Bf16Tiles`): the
+dense model's products from a quarter of its weight bytes, and no int8 rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,23 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
-                             quantized_linear_int8)
-from pagellm.model.torch_matmul import (TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight,
-                                        packed_linear, packed_weights_supported)
+                             quantized_linear_bf16_tiles, quantized_linear_int8)
+from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight, packed_linear
 
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
 PANEL_SIZE = 16  # output rows per panel of the int8 kernel
 INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
-CANDIDATE_MAX_TOKENS = (1, 2, 4, 8, INT8_MIN_TOKENS, 16, 32, 64, 128, 512)
-# A shape whose quantized path still wins at the largest candidate keeps it at every size:
-# from there on both paths run at their compute peak.
+# From here the bf16 tiles beat pagellm's float kernel; at 1 token torch's int4 kernel beats them.
+TILES_MIN_TOKENS = 2
+# A layer whose quantized path wins at every step size (see quantized_timing.py).
 ANY_TOKENS = sys.maxsize
-# Layers of a shape timed together, times tokens: all of SmolLM2's 30 layers up to 64
-# tokens, fewer beyond, where the weights' place in memory no longer matters.
-MEASURED_LAYER_TOKENS = 2048
-# The step size at which the int8 path is compared with a dense matmul before the float
-# weights load: compute-bound, where a dense matmul does best against quantized codes.
-PROBE_TOKENS = CANDIDATE_MAX_TOKENS[-1]
 
 
 @dataclasses.dataclass
@@ -114,18 +109,34 @@ class GroupQuantWeight:
 
     def int8_panels(self) -> Int8Panels:
         """The codes as the int8 kernel reads them (see Int8Panels)."""
-        zeros = self.folded_zeros()
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 4, 4)
-        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(),
-                          _by_panel(self.scales).transpose(1, 2).contiguous(),
-                          _by_panel(zeros).transpose(1, 2).contiguous())
+        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(), *self._panel_factors())
+
+    def bf16_tiles(self) -> Bf16Tiles:
+        """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
+        codes = _by_panel(self.codes)  # [P, 16, in]
+        codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 2, 2).permute(0, 2, 3, 1, 4)
+        codes = codes.reshape(*codes.shape[:3], 2 * PANEL_SIZE)
+        if self.bits == 4:
+            codes = codes[..., :PANEL_SIZE] | (codes[..., PANEL_SIZE:] << 4)
+        return Bf16Tiles(codes.contiguous(), *self._panel_factors())
+
+    def _panel_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and folded zeros by panel: [P, in // 32, 16] each."""
+        return (_by_panel(self.scales).transpose(1, 2).contiguous(),
+                _by_panel(self.folded_zeros()).transpose(1, 2).contiguous())
 
 
-def _nbytes(form: GroupQuantWeight | Int8Panels | TorchInt4) -> int:
+def form_tensors(form: GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4
+                 ) -> list[torch.Tensor]:
+    fields = (getattr(form, field.name) for field in dataclasses.fields(form))
+    return [t for t in fields if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(form: GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4) -> int:
     """The bytes of a quantized form's tensors."""
-    tensors = (getattr(form, field.name) for field in dataclasses.fields(form))
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in form_tensors(form))
 
 
 def _by_panel(t: torch.Tensor) -> torch.Tensor:
@@ -146,6 +157,18 @@ class Int8Panels:
     zeros: torch.Tensor  # [P, in // 32, 16] float32
 
 
+@dataclasses.dataclass
+class Bf16Tiles:
+    """A matrix for quantized_linear_bf16_tiles, in panels of 16 output rows (zero-padded),
+    each group of 32 inputs one bf16 tile: codes[p, g, r, 2f + b] = code of row 16p + f for
+    input 32g + 2r + b, 4-bit codes two per byte (element i low, 16 + i high); scales and
+    zeros as Int8Panels'."""
+
+    codes: torch.Tensor  # [P, in // 32, 16, 16] uint8 (4-bit codes) or [..., 32] int8 (8-bit)
+    scales: torch.Tensor  # [P, in // 32, 16] float32
+    zeros: torch.Tensor  # [P, in // 32, 16] float32
+
+
 def quantized_supported(device: torch.device) -> bool:
     """The kernel is a CPU one; CUDA would need its own."""
     return device.type == "cpu" and cpu_kernels_available()
@@ -161,13 +184,15 @@ class Linear(nn.Linear):
         self.quantized_max_tokens = 0
         # the codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
         self.int8_panels: Int8Panels | None = None
+        self.bf16_tiles: Bf16Tiles | None = None  # the codes for steps of TILES_MIN_TOKENS+
         self.dense_released = False
         self.packed: torch.Tensor | None = None  # the float weight in oneDNN's layout
         self.torch_int4: TorchInt4 | None = None  # 4-bit codes for torch's small-step kernel
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
-                         int8_activations: bool = False) -> None:
-        """`int8_activations` applies where the CPU has the int8 kernel."""
+                         int8_activations: bool = False, bf16_tiles: bool = False) -> None:
+        """`int8_activations` applies where the CPU has the int8 kernel; `bf16_tiles` (a bf16
+        layer on a CPU with AMX-BF16, see bf16_tiles_available) replaces it."""
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
@@ -175,7 +200,9 @@ class Linear(nn.Linear):
         self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
                                           weight.bits)
         self.quantized_max_tokens = max_tokens
-        use_int8 = int8_activations and int8_matmul_available()
+        use_tiles = bf16_tiles and self.weight.dtype == torch.bfloat16
+        self.bf16_tiles = weight.bf16_tiles() if use_tiles else None
+        use_int8 = int8_activations and int8_matmul_available() and not use_tiles
         self.int8_panels = weight.int8_panels() if use_int8 else None
         if (weight.bits == 4 and self.weight.dtype == torch.bfloat16
                 and self.out_features % TorchInt4.ROWS == 0):
@@ -191,9 +218,12 @@ class Linear(nn.Linear):
 
     def drop_unused_forms(self) -> None:
         """Free what the measured step sizes never use: the int8 panels below
-        INT8_MIN_TOKENS, and all quantized codes at 0."""
+        INT8_MIN_TOKENS, the bf16 tiles below TILES_MIN_TOKENS, and all quantized codes at
+        0."""
         if self.quantized_max_tokens < INT8_MIN_TOKENS:
             self.int8_panels = None
+        if self.quantized_max_tokens < TILES_MIN_TOKENS:
+            self.bf16_tiles = None
         if self.quantized_max_tokens == 0:
             self.quantized = self.torch_int4 = None
 
@@ -207,20 +237,28 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def quantized_bytes(self) -> int:
-        return sum(_nbytes(form) for form in (self.quantized, self.int8_panels, self.torch_int4)
-                   if form is not None)
+        forms = (self.quantized, self.int8_panels, self.bf16_tiles, self.torch_int4)
+        return sum(_nbytes(form) for form in forms if form is not None)
 
     def packed_bytes(self) -> int:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def bytes_read(self, tokens: int) -> int:
         """Bytes of the form that a step of `tokens` tokens multiplies: all of it is read."""
-        if self.quantized is not None and tokens <= self.quantized_max_tokens:
-            return _nbytes(self.quantized_form(tokens))
-        return self.packed_bytes() or self.weight.numel() * self.weight.element_size()
+        quantized = self.quantized is not None and tokens <= self.quantized_max_tokens
+        return sum(t.numel() * t.element_size() for t in self.tensors_read(tokens, quantized))
 
-    def quantized_form(self, tokens: int) -> GroupQuantWeight | Int8Panels | TorchInt4:
+    def tensors_read(self, tokens: int, quantized: bool) -> list[torch.Tensor]:
+        """The tensors a step of `tokens` tokens reads on the quantized or the dense path."""
+        if quantized:
+            return form_tensors(self.quantized_form(tokens))
+        return [self.weight if self.packed is None else self.packed]
+
+    def quantized_form(self,
+                       tokens: int) -> GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4:
         """The quantized form a step of `tokens` tokens multiplies."""
+        if self.bf16_tiles is not None and tokens >= TILES_MIN_TOKENS:
+            return self.bf16_tiles
         if self.int8_panels is not None and tokens >= INT8_MIN_TOKENS:
             return self.int8_panels
         if self.torch_int4 is not None and tokens <= TORCH_INT4_MAX_TOKENS:
@@ -237,6 +275,9 @@ class Linear(nn.Linear):
         form = self.quantized_form(x.shape[0])
         if isinstance(form, Int8Panels):
             out = quantized_linear_int8(x, form.codes, form.scales, form.zeros, self.out_features)
+        elif isinstance(form, Bf16Tiles):
+            out = quantized_linear_bf16_tiles(x, form.codes, form.scales, form.zeros,
+                                              self.out_features)
         elif isinstance(form, TorchInt4):
             out = form.matmul(x)
         else:
@@ -253,100 +294,3 @@ class Linear(nn.Linear):
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
             return self.quantized_forward(x)
         return self.dense_forward(x)
-
-
-def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linear]:
-    """The layers (with int8 panels) whose shape's quantized path beats a dense matmul in
-    `dtype` at a step of PROBE_TOKENS tokens, timed on one layer per shape against random
-    float weights (a dense matmul's time does not depend on the values), so before any are
-    loaded. Where the int8 path wins there, it wins at every size: smaller steps are bound
-    by reading the weights, of which the codes are 4-8x fewer bytes."""
-    winners = []
-    with_panels = [layer for layer in layers if layer.int8_panels is not None]
-    for (in_features, out_features, _), group in _by_shape(with_panels).items():
-        x = torch.randn(PROBE_TOKENS, in_features).to(dtype)
-        dense = Linear(in_features, out_features, bias=False).to(dtype)
-        if packed_weights_supported(dtype, x.device):
-            dense.pack_dense(shared=False)
-        quantized = _best_seconds(lambda: group[0].quantized_forward(x))
-        if quantized < _best_seconds(lambda: dense.dense_forward(x)):
-            winners += group
-    return winners
-
-
-def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
-    """Keep torch's int4 form on the layers of a shape where it beats pagellm's kernel at
-    both 1 and TORCH_INT4_MAX_TOKENS tokens (30 layers timed together, as a decode step
-    reads them); drop it elsewhere (its kernel is scalar for some dtypes and CPUs). Returns
-    the shapes that kept it."""
-    kept = []
-    with_int4 = [layer for layer in layers if layer.torch_int4 is not None]
-    for (in_features, out_features, _), group in _by_shape(with_int4).items():
-        timed = group[:MEASURED_LAYER_TOKENS // TORCH_INT4_MAX_TOKENS]
-        wins = True
-        for tokens in (1, TORCH_INT4_MAX_TOKENS):
-            x = torch.randn(tokens, in_features).to(torch.bfloat16)
-            ours = _best_seconds(lambda: [layer.float_kernel_forward(x) for layer in timed])
-            theirs = _best_seconds(lambda: [layer.torch_int4.matmul(x)  # type: ignore[union-attr]
-                                            for layer in timed])
-            wins = wins and theirs < ours
-        if wins:
-            kept.append(f"{in_features}x{out_features}")
-        else:
-            for layer in group:
-                layer.torch_int4 = None
-    return kept
-
-
-def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int], list[Linear]]:
-    """Quantized layers by (in features, out features, code bits)."""
-    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
-    for layer in layers:
-        assert layer.quantized is not None
-        shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
-    return shapes
-
-
-def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str, int]:
-    """Set each layer's `quantized_max_tokens` to the largest step size (of
-    CANDIDATE_MAX_TOKENS) at which the quantized weights beat the dense ones on this CPU, 0
-    if none, or ANY_TOKENS if the largest. Layers of one shape are timed together, in one
-    pass over them, so that small steps read the weights from memory as a model step does.
-    Every candidate is timed (see `max_tokens_from_wins`). Returns the sizes by shape."""
-    chosen = {}
-    for (in_features, out_features, bits), group in _by_shape(layers).items():
-        wins = []
-        for tokens in CANDIDATE_MAX_TOKENS:
-            x = torch.randn(tokens, in_features).to(dtype)
-            timed = group[:max(1, MEASURED_LAYER_TOKENS // tokens)]
-            quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in timed])
-            dense = _best_seconds(lambda: [layer.dense_forward(x) for layer in timed])
-            wins.append(quantized < dense)
-        best = max_tokens_from_wins(wins)
-        for layer in group:
-            layer.quantized_max_tokens = best
-        chosen[f"{in_features}x{out_features} Q{bits}"] = best
-    return chosen
-
-
-def max_tokens_from_wins(wins: Sequence[bool]) -> int:
-    """The largest candidate at which the quantized path won and also won at the candidate
-    before (if any), 0 if none, ANY_TOKENS if the largest. Near parity, neither a noisy loss
-    nor a noisy win at one size decides the larger ones: a single win past the crossover
-    (a slow moment of the dense matmul at 512 tokens, say) would otherwise send every
-    larger step to the slower path."""
-    best = 0
-    for i, tokens in enumerate(CANDIDATE_MAX_TOKENS):
-        if wins[i] and (i == 0 or wins[i - 1]):
-            best = tokens
-    return ANY_TOKENS if best == CANDIDATE_MAX_TOKENS[-1] else best
-
-
-def _best_seconds(fn: Callable[[], object], tries: int = 3) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
