@@ -35,10 +35,16 @@ def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:
         layer.attach_quantized(random_weight(4, rows, 256, with_zeros=True), max_tokens=16)
         layers.append(layer)
     assert [layer.torch_int4 is not None for layer in layers] == [True, True, True, False, False]
-    kept = timing_module.choose_torch_int4(layers)
+    kept = dict(entry.split() for entry in timing_module.choose_torch_int4(layers))
     assert set(kept) <= {"256x64", "256x96"}
     assert [layer.torch_int4 is not None for layer in layers] == [
         "256x64" in kept, "256x64" in kept, "256x96" in kept, False, False]
+    for layer, shape in zip(layers[:3], ("256x64", "256x64", "256x96"), strict=True):
+        served = int(kept.get(shape, 0))  # the sizes it won from 1 on, the rest to the kernel
+        assert served in {0, *timing_module.INT4_CANDIDATE_TOKENS}
+        assert layer.torch_int4_max_tokens == served
+        x = torch.randn(max(served, 1), 256).bfloat16()
+        assert (layer.quantized_form(x.shape[0]) is layer.torch_int4) == (served > 0)
 
 
 @needs_int8

@@ -16,7 +16,8 @@ from tiny_models import write_tiny_gguf
 import pagellm.model.loader as loader_module
 from pagellm.kernels import bf16_tiles_available, quantized_linear_bf16_tiles
 from pagellm.model.loader import load_model
-from pagellm.model.quantized import TILES_MIN_TOKENS, Bf16Tiles, GroupQuantWeight, Linear
+from pagellm.model.quantized import (TORCH_INT4_BEFORE_TILES_MAX_TOKENS, Bf16Tiles,
+                                     GroupQuantWeight, Linear)
 
 pytestmark = pytest.mark.skipif(not bf16_tiles_available(),
                                 reason="no AMX-BF16 tiles on this CPU (or not granted by the OS)")
@@ -70,37 +71,43 @@ def bf16_layer(weight: GroupQuantWeight, **forms: bool) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 12, 64])
-def test_a_bf16_layer_multiplies_the_tiles_from_two_tokens_instead_of_int8(tokens: int) -> None:
-    """With bf16_tiles, the int8 panels are never made; one token goes to torch's int4 kernel
-    (or pagellm's float one), and from TILES_MIN_TOKENS the tiles compute the dense layer's
-    result."""
-    weight = random_weight(4, 208, 288, with_zeros=True)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 4, 5, 12, 64])
+def test_a_bf16_layer_multiplies_on_tiles_what_int4_does_not_serve(bits: int,
+                                                                   tokens: int) -> None:
+    """With bf16_tiles, the int8 panels are never made; torch's int4 kernel keeps 4-bit
+    steps of up to TORCH_INT4_BEFORE_TILES_MAX_TOKENS tokens, and the tiles take the rest,
+    computing the dense layer's result."""
+    weight = random_weight(bits, 208, 288, with_zeros=bits == 4)
     layer = bf16_layer(weight, int8_activations=True, bf16_tiles=True)
     assert layer.int8_panels is None and layer.bf16_tiles is not None
-    form = layer.quantized_form(tokens)
-    assert isinstance(form, Bf16Tiles) == (tokens >= TILES_MIN_TOKENS)
+    int4 = bits == 4 and tokens <= TORCH_INT4_BEFORE_TILES_MAX_TOKENS
+    assert isinstance(layer.quantized_form(tokens), Bf16Tiles) != int4
     x = torch.randn(tokens, 288).bfloat16()
     dense = x.double() @ layer.weight.double().T + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), dense, rtol=2e-2, atol=2e-2)
 
 
-def test_float32_layers_and_small_sizes_keep_no_tiles() -> None:
+def test_float32_layers_and_sizes_that_int4_serves_keep_no_tiles() -> None:
     weight = random_weight(4, 64, 256, with_zeros=True)
     float32 = Linear(256, 64, bias=False)
     float32.attach_quantized(weight, max_tokens=64, bf16_tiles=True)
     assert float32.bf16_tiles is None
     layer = bf16_layer(weight, bf16_tiles=True)
-    layer.quantized_max_tokens = TILES_MIN_TOKENS - 1
+    layer.quantized_max_tokens = TORCH_INT4_BEFORE_TILES_MAX_TOKENS
     layer.drop_unused_forms()
-    assert layer.bf16_tiles is None and layer.quantized is not None
+    assert layer.bf16_tiles is None and layer.torch_int4 is not None
+    assert layer.quantized is not None
+    layer.quantized_max_tokens = 0
+    layer.drop_unused_forms()
+    assert layer.torch_int4 is None and layer.quantized is None
 
 
 def test_a_bf16_gguf_model_on_tiles_computes_what_its_dense_weights_compute(
         tiny_model_factory: Callable[[str], Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every projection of a bf16 model gets tiles and no int8 panels, and its prefill logits
-    and greedy tokens are those of the dense bf16 weights alone."""
+    (to bf16's rounding) and greedy tokens are those of the dense bf16 weights alone."""
     folder = tiny_model_factory("llama")
     path = str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q4_1, embedding_quantization=Q4_1))
     monkeypatch.setattr(loader_module, "int8_beats_dense", lambda layers, dtype: [])
@@ -110,4 +117,6 @@ def test_a_bf16_gguf_model_on_tiles_computes_what_its_dense_weights_compute(
                        gguf_quantized_max_tokens=0)
     layers = [m for m in tiles.model.modules() if isinstance(m, Linear)]
     assert layers and all(m.bf16_tiles is not None and m.int8_panels is None for m in layers)
+    for layer in layers:  # the 2-request decode steps too
+        layer.torch_int4 = None
     assert_same_outputs(tiles, dense, atol=0.1)

@@ -59,8 +59,8 @@ inline void widen_codes(const int8_t* codes, __m512& low, __m512& high) {
 }
 
 // Group g of a panel's weights as a bf16 tile (16 rows x 32) into `out`, and a prefetch of the
-// same group `ahead` panels on: the next pair's, which the hardware prefetchers would fetch
-// too late (weights read from memory at 7 instead of 19 GB/s without it).
+// same group kAhead panels on: the next pair's, which the hardware prefetchers fetch too
+// late (30 gate_up layers at one token, from memory: 5.6 ms without it, 2.8 with it).
 template <typename Code>
 inline void widen_group(const Code* codes, const float* scales, const float* zeros, int64_t g,
                         int64_t groups, __m512bh* out) {

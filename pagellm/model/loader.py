@@ -18,11 +18,10 @@ from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
-from pagellm.model.quantized import (ANY_TOKENS, TILES_MIN_TOKENS, GroupQuantWeight, Linear,
-                                     quantized_supported)
+from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
-from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, packed_weights_supported
+from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -139,10 +138,8 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
     where torch's int4 kernel serves small steps better than pagellm's."""
     int4_shapes = choose_torch_int4(layers)
     if int4_shapes:
-        tiles = any(layer.bf16_tiles is not None for layer in layers)  # they take 2 tokens on
-        sizes = "1 token" if tiles else f"up to {TORCH_INT4_MAX_TOKENS} tokens"
-        logger.info("Steps of %s multiply with torch's int4 kernel: %s", sizes,
-                    ", ".join(int4_shapes))
+        logger.info("Steps of up to N tokens multiply with torch's int4 kernel, measured per "
+                    "shape: %s", ", ".join(int4_shapes))
     both = [layer for layer in layers if not layer.dense_released]
     if max_tokens is not None:
         how = f"at most {max_tokens}"
@@ -158,7 +155,7 @@ def choose_quantized_sizes(layers: list[Linear], max_tokens: int | None,
     extra = sum(layer.quantized_bytes() for layer in both) / (1 << 20)
     only = len(layers) - len(both)
     if any(layer.bf16_tiles is not None for layer in kept):
-        arithmetic = f"widened to bf16 on AMX tiles from {TILES_MIN_TOKENS} tokens"
+        arithmetic = "widened to bf16 on AMX tiles"
     elif any(layer.int8_panels is not None for layer in kept):
         arithmetic = "with int8 activations"
     else:

@@ -20,9 +20,10 @@ bytes); on a CPU whose bf16 matmul runs on AMX tiles (2.9 TFLOP/s on two cores, 
 AVX2 int8 kernel), the dense one wins from a few tokens on, and the layers keep both
 forms like the others.
 
-On a CPU with AMX's bf16 tiles and a bf16 model, steps of 2 tokens or more instead widen
-the codes to bf16 a panel at a time and multiply them on the tiles (`Bf16Tiles`): the
-dense model's products from a quarter of its weight bytes, and no int8 rounding.
+On a CPU with AMX's bf16 tiles and a bf16 model, the steps torch's int4 kernel does not
+serve instead widen the codes to bf16 a panel at a time and multiply them on the tiles
+(`Bf16Tiles`): the dense model's products from a quarter of its weight bytes, and no int8
+rounding.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_we
 GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
 PANEL_SIZE = 16  # output rows per panel of the int8 kernel
 INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
-# From here the bf16 tiles beat pagellm's float kernel; at 1 token torch's int4 kernel beats them.
-TILES_MIN_TOKENS = 2
+# Up to here torch's int4 kernel beats the bf16 tiles on 4-bit codes (SmolLM2's shapes, from
+# memory: `python benchmarks/quantized_forms.py`); the tiles beat pagellm's float kernel at
+# every size.
+TORCH_INT4_BEFORE_TILES_MAX_TOKENS = 4
 # A layer whose quantized path wins at every step size (see quantized_timing.py).
 ANY_TOKENS = sys.maxsize
 
@@ -128,13 +131,12 @@ class GroupQuantWeight:
                 _by_panel(self.folded_zeros()).transpose(1, 2).contiguous())
 
 
-def form_tensors(form: GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4
-                 ) -> list[torch.Tensor]:
+def form_tensors(form: QuantizedForm) -> list[torch.Tensor]:
     fields = (getattr(form, field.name) for field in dataclasses.fields(form))
     return [t for t in fields if isinstance(t, torch.Tensor)]
 
 
-def _nbytes(form: GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4) -> int:
+def _nbytes(form: QuantizedForm) -> int:
     """The bytes of a quantized form's tensors."""
     return sum(t.numel() * t.element_size() for t in form_tensors(form))
 
@@ -169,6 +171,9 @@ class Bf16Tiles:
     zeros: torch.Tensor  # [P, in // 32, 16] float32
 
 
+QuantizedForm = GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4
+
+
 def quantized_supported(device: torch.device) -> bool:
     """The kernel is a CPU one; CUDA would need its own."""
     return device.type == "cpu" and cpu_kernels_available()
@@ -184,10 +189,11 @@ class Linear(nn.Linear):
         self.quantized_max_tokens = 0
         # the codes for steps of INT8_MIN_TOKENS or more, times int8-rounded activations
         self.int8_panels: Int8Panels | None = None
-        self.bf16_tiles: Bf16Tiles | None = None  # the codes for steps of TILES_MIN_TOKENS+
+        self.bf16_tiles: Bf16Tiles | None = None  # the codes on AMX's bf16 tiles
         self.dense_released = False
         self.packed: torch.Tensor | None = None  # the float weight in oneDNN's layout
         self.torch_int4: TorchInt4 | None = None  # 4-bit codes for torch's small-step kernel
+        self.torch_int4_max_tokens = 0  # the steps it serves (measured: choose_torch_int4)
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False, bf16_tiles: bool = False) -> None:
@@ -207,6 +213,8 @@ class Linear(nn.Linear):
         if (weight.bits == 4 and self.weight.dtype == torch.bfloat16
                 and self.out_features % TorchInt4.ROWS == 0):
             self.torch_int4 = TorchInt4.of(weight)
+            self.torch_int4_max_tokens = (TORCH_INT4_BEFORE_TILES_MAX_TOKENS if use_tiles
+                                          else TORCH_INT4_MAX_TOKENS)
 
     def release_dense(self) -> None:
         """Multiply the quantized form at every step size and free the float weight (4x the
@@ -217,15 +225,16 @@ class Linear(nn.Linear):
         self.dense_released = True
 
     def drop_unused_forms(self) -> None:
-        """Free what the measured step sizes never use: the int8 panels below
-        INT8_MIN_TOKENS, the bf16 tiles below TILES_MIN_TOKENS, and all quantized codes at
-        0."""
-        if self.quantized_max_tokens < INT8_MIN_TOKENS:
-            self.int8_panels = None
-        if self.quantized_max_tokens < TILES_MIN_TOKENS:
-            self.bf16_tiles = None
+        """Free the forms no step size up to the measured one multiplies (the int8 panels
+        below INT8_MIN_TOKENS, for one), and all quantized codes at 0. From INT8_MIN_TOKENS
+        on, every step multiplies the same form."""
+        sizes = range(1, min(self.quantized_max_tokens, INT8_MIN_TOKENS) + 1)
+        used = [self.quantized_form(tokens) for tokens in sizes]
+        for name in ("int8_panels", "bf16_tiles", "torch_int4"):
+            if not any(getattr(self, name) is form for form in used):
+                setattr(self, name, None)
         if self.quantized_max_tokens == 0:
-            self.quantized = self.torch_int4 = None
+            self.quantized = None
 
     def pack_dense(self, shared: bool) -> None:
         """Keep the float weight in oneDNN's blocked layout (`packed_weights_supported`). A
@@ -254,15 +263,14 @@ class Linear(nn.Linear):
             return form_tensors(self.quantized_form(tokens))
         return [self.weight if self.packed is None else self.packed]
 
-    def quantized_form(self,
-                       tokens: int) -> GroupQuantWeight | Int8Panels | Bf16Tiles | TorchInt4:
+    def quantized_form(self, tokens: int) -> QuantizedForm:
         """The quantized form a step of `tokens` tokens multiplies."""
-        if self.bf16_tiles is not None and tokens >= TILES_MIN_TOKENS:
+        if self.torch_int4 is not None and tokens <= self.torch_int4_max_tokens:
+            return self.torch_int4
+        if self.bf16_tiles is not None:
             return self.bf16_tiles
         if self.int8_panels is not None and tokens >= INT8_MIN_TOKENS:
             return self.int8_panels
-        if self.torch_int4 is not None and tokens <= TORCH_INT4_MAX_TOKENS:
-            return self.torch_int4
         assert self.quantized is not None
         return self.quantized
 
@@ -271,8 +279,10 @@ class Linear(nn.Linear):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        form = self.quantized_form(x.shape[0])
+    def quantized_forward(self, x: torch.Tensor, form: QuantizedForm | None = None
+                          ) -> torch.Tensor:
+        """x times the form a step of its size multiplies, or `form`."""
+        form = self.quantized_form(x.shape[0]) if form is None else form
         if isinstance(form, Int8Panels):
             out = quantized_linear_int8(x, form.codes, form.scales, form.zeros, self.out_features)
         elif isinstance(form, Bf16Tiles):

@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagellm.kernels import evict_from_cache
-from pagellm.model.quantized import ANY_TOKENS, INT8_MIN_TOKENS, Linear, form_tensors
-from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, packed_weights_supported
+from pagellm.model.quantized import (ANY_TOKENS, INT8_MIN_TOKENS, Linear, QuantizedForm,
+                                     form_tensors)
+from pagellm.model.torch_matmul import packed_weights_supported
 
 # Up to the default budget of a prefill step: the bf16 tiles beat oneDNN up to a few hundred
 # tokens and lose past that.
@@ -26,6 +27,8 @@ MEASURED_LAYER_TOKENS = 2048
 # The step size at which the int8 path is compared with a dense matmul before the float
 # weights load: compute-bound, where a dense matmul does best against quantized codes.
 PROBE_TOKENS = 512
+# The step sizes at which torch's int4 kernel is timed against pagellm's.
+INT4_CANDIDATE_TOKENS = (1, 2, 4, 8)
 
 
 def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linear]:
@@ -50,29 +53,41 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
 
 
 def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
-    """Keep torch's int4 form on the layers of a shape where it beats pagellm's kernel at
-    both 1 and TORCH_INT4_MAX_TOKENS tokens (30 layers timed together, as a decode step
-    reads them); drop it elsewhere (its kernel is scalar for some dtypes and CPUs). Returns
-    the shapes that kept it."""
+    """Per shape, the largest step size (of 1, 2, 4, 8, up to the most it may serve) up to
+    which torch's int4 kernel beats pagellm's (the bf16 tiles, else the float kernel) at
+    every size, 30 layers timed together as a decode step reads them; the form is dropped
+    where it loses at 1 token (its kernel is scalar for some dtypes and CPUs). Returns the
+    shapes that kept it, with their sizes."""
     kept = []
     with_int4 = [layer for layer in layers if layer.torch_int4 is not None]
     for (in_features, out_features, _), group in _by_shape(with_int4).items():
-        timed = group[:MEASURED_LAYER_TOKENS // TORCH_INT4_MAX_TOKENS]
-        wins = True
-        for tokens in (1, TORCH_INT4_MAX_TOKENS):
+        most = group[0].torch_int4_max_tokens
+        timed = group[:MEASURED_LAYER_TOKENS // most]
+        served = 0
+        for tokens in (size for size in INT4_CANDIDATE_TOKENS if size <= most):
             x = torch.randn(tokens, in_features).to(torch.bfloat16)
-            ours = _best_seconds(lambda: [layer.float_kernel_forward(x) for layer in timed],
-                                 [t for layer in timed for t in form_tensors(layer.quantized)])
-            theirs = _best_seconds(lambda: [layer.torch_int4.matmul(x)  # type: ignore[union-attr]
-                                            for layer in timed],
-                                   [t for layer in timed for t in form_tensors(layer.torch_int4)])
-            wins = wins and theirs < ours
-        if wins:
-            kept.append(f"{in_features}x{out_features}")
-        else:
-            for layer in group:
+            ours = [layer.bf16_tiles or layer.quantized for layer in timed]
+            theirs = [layer.torch_int4 for layer in timed]
+            if _forms_seconds(timed, theirs, x) >= _forms_seconds(timed, ours, x):
+                break
+            served = tokens
+        for layer in group:
+            layer.torch_int4_max_tokens = served
+            if served == 0:
                 layer.torch_int4 = None
+        if served:
+            kept.append(f"{in_features}x{out_features} {served}")
     return kept
+
+
+def _forms_seconds(layers: Sequence[Linear], forms: Sequence[QuantizedForm | None],
+                   x: torch.Tensor) -> float:
+    """One pass over `layers`, each multiplying its form of `forms` (none is None)."""
+    present = [form for form in forms if form is not None]
+    assert len(present) == len(layers)
+    return _best_seconds(lambda: [layer.quantized_forward(x, form)
+                                  for layer, form in zip(layers, present, strict=True)],
+                         [t for form in present for t in form_tensors(form)])
 
 
 def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int], list[Linear]]:
