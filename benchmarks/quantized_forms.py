@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from pagellm.kernels import (bf16_tiles_available, evict_from_cache, quantized_linear_bf16_tiles,
+from pagellm.kernels import (bf16_tiles_available, quantized_linear_bf16_tiles,
                              quantized_linear_int8)
 from pagellm.model.quantized import Linear, form_tensors
+from pagellm.model.quantized_timing import best_seconds
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -35,17 +34,6 @@ from test_quantized import random_weight  # noqa: E402
 SHAPES = ((576, 960, 4, 30), (576, 576, 4, 30), (576, 3072, 4, 30), (1536, 576, 4, 30),
           (576, 49152, 8, 1))
 FLOAT_MAX_ROWS = 16  # beyond, the float kernel is far behind every other form
-
-
-def flushed_ms(run: Callable[[], object], tensors: list[torch.Tensor], repeats: int = 5) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        evict_from_cache(tensors)
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def layers_of(k: int, n: int, bits: int, count: int) -> tuple[list[Linear], list[Linear]]:
@@ -84,7 +72,8 @@ def time_forms(tiled: list[Linear], int8: list[Linear], m: int) -> dict[str, flo
     if m <= FLOAT_MAX_ROWS:
         forms["float"] = (lambda: [layer.float_kernel_forward(x) for layer in tiled],
                           [t for layer in tiled for t in form_tensors(layer.quantized)])
-    return {name: flushed_ms(run, tensors) for name, (run, tensors) in forms.items()}
+    return {name: best_seconds(run, tensors, tries=5) * 1e3
+            for name, (run, tensors) in forms.items()}
 
 
 def main() -> None:

@@ -44,9 +44,9 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
         dense = Linear(in_features, out_features, bias=False).to(dtype)
         if packed_weights_supported(dtype, x.device):
             dense.pack_dense(shared=False)
-        quantized = _best_seconds(lambda: group[0].quantized_forward(x),
+        quantized = best_seconds(lambda: group[0].quantized_forward(x),
                                   group[0].tensors_read(PROBE_TOKENS, quantized=True))
-        if quantized < _best_seconds(lambda: dense.dense_forward(x),
+        if quantized < best_seconds(lambda: dense.dense_forward(x),
                                      dense.tensors_read(PROBE_TOKENS, quantized=False)):
             winners += group
     return winners
@@ -85,7 +85,7 @@ def _forms_seconds(layers: Sequence[Linear], forms: Sequence[QuantizedForm | Non
     """One pass over `layers`, each multiplying its form of `forms` (none is None)."""
     present = [form for form in forms if form is not None]
     assert len(present) == len(layers)
-    return _best_seconds(lambda: [layer.quantized_forward(x, form)
+    return best_seconds(lambda: [layer.quantized_forward(x, form)
                                   for layer, form in zip(layers, present, strict=True)],
                          [t for form in present for t in form_tensors(form)])
 
@@ -112,9 +112,9 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
         for tokens in CANDIDATE_MAX_TOKENS:
             x = torch.randn(tokens, in_features).to(dtype)
             timed = group[:max(1, MEASURED_LAYER_TOKENS // tokens)]
-            quantized = _best_seconds(lambda: [layer.quantized_forward(x) for layer in timed],
+            quantized = best_seconds(lambda: [layer.quantized_forward(x) for layer in timed],
                                       _read(timed, tokens, quantized=True))
-            dense = _best_seconds(lambda: [layer.dense_forward(x) for layer in timed],
+            dense = best_seconds(lambda: [layer.dense_forward(x) for layer in timed],
                                   _read(timed, tokens, quantized=False))
             wins.append(quantized < dense)
         best = max_tokens_from_wins(wins)
@@ -141,8 +141,8 @@ def _read(layers: Sequence[Linear], tokens: int, quantized: bool) -> list[torch.
     return [t for layer in layers for t in layer.tensors_read(tokens, quantized)]
 
 
-def _best_seconds(fn: Callable[[], object], evicted: Sequence[torch.Tensor],
-                  tries: int = 3) -> float:
+def best_seconds(fn: Callable[[], object], evicted: Sequence[torch.Tensor],
+                 tries: int = 3) -> float:
     """The best of `tries` runs after a warm-up, each with `evicted` flushed from the caches
     first."""
     fn()
