@@ -67,7 +67,9 @@ def cpu_kernels_available() -> bool:
     return False
 
 
-_AMX_FLAGS = ("-mamx-tile", "-mamx-int8", "-mamx-bf16")
+_AMX_INT8_FLAGS = ("-mamx-tile", "-mamx-int8")
+_AMX_BF16_FLAG = "-mamx-bf16"
+_AMX_FLAGS = (*_AMX_INT8_FLAGS, _AMX_BF16_FLAG)
 
 
 def _isa_flags(capability: str) -> list[str]:
@@ -79,9 +81,9 @@ def _isa_flags(capability: str) -> list[str]:
     if capability == "AVX512" and _cpu_has("avx512_bf16"):
         flags = [*flags, "-mavx512bf16"]
     if capability == "AVX512" and _cpu_has("amx_tile") and _cpu_has("amx_int8"):
-        flags = [*flags, "-mamx-tile", "-mamx-int8"]
+        flags = [*flags, *_AMX_INT8_FLAGS]
         if _cpu_has("amx_bf16") and "-mavx512bf16" in flags:
-            flags.append("-mamx-bf16")
+            flags.append(_AMX_BF16_FLAG)
     return flags
 
 

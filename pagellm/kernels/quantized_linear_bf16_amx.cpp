@@ -31,6 +31,9 @@ namespace pagellm::quantized {
 namespace {
 
 constexpr int kTileRows = 16;  // rows of every tile
+// Bytes of codes per tile row: 32 values, 4-bit ones two per byte.
+template <typename Code>
+constexpr int64_t kRowCodes = std::is_same_v<Code, uint8_t> ? 16 : 32;
 constexpr int64_t kTileBlockRows = 256;  // rows multiplied with a widened pair of panels
 
 // Tiles 0-3: float32 sums (16 rows x 16 features); 4, 5: activations (16 rows x 32 bf16);
@@ -64,11 +67,10 @@ inline void widen_codes(const int8_t* codes, __m512& low, __m512& high) {
 template <typename Code>
 inline void widen_group(const Code* codes, const float* scales, const float* zeros, int64_t g,
                         int64_t groups, __m512bh* out) {
-  constexpr int64_t kRowCodes = std::is_same_v<Code, uint8_t> ? 16 : 32;
   constexpr int64_t kAhead = 2;
   const char* next_codes = reinterpret_cast<const char*>(
-      codes + (kAhead * groups + g) * kTileRows * kRowCodes);
-  for (int64_t line = 0; line < kTileRows * kRowCodes; line += 64)
+      codes + (kAhead * groups + g) * kTileRows * kRowCodes<Code>);
+  for (int64_t line = 0; line < kTileRows * kRowCodes<Code>; line += 64)
     _mm_prefetch(next_codes + line, _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(scales + (kAhead * groups + g) * kPanel), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(zeros + (kAhead * groups + g) * kPanel), _MM_HINT_T0);
@@ -81,10 +83,10 @@ inline void widen_group(const Code* codes, const float* scales, const float* zer
   const __m512 scale_high = _mm512_permutexvar_ps(second, scale);
   const __m512 zero_low = _mm512_permutexvar_ps(first, zero);
   const __m512 zero_high = _mm512_permutexvar_ps(second, zero);
-  const Code* group_codes = codes + g * kTileRows * kRowCodes;
+  const Code* group_codes = codes + g * kTileRows * kRowCodes<Code>;
   for (int r = 0; r < kTileRows; ++r) {
     __m512 low, high;
-    widen_codes(group_codes + r * kRowCodes, low, high);
+    widen_codes(group_codes + r * kRowCodes<Code>, low, high);
     out[r] = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, scale_high, zero_high),
                                  _mm512_fmadd_ps(low, scale_low, zero_low));
   }
@@ -177,7 +179,6 @@ void multiply_block(const uint16_t* x, int64_t m0, int64_t rows, int64_t m, int6
 template <typename Code>
 void run(uint16_t* y, const uint16_t* x, int64_t m, int64_t k, int64_t n, const Code* codes,
          const float* scales, const float* zeros) {
-  constexpr int64_t kRowCodes = std::is_same_v<Code, uint8_t> ? 16 : 32;
   const int64_t groups = k / kGroup, panels = (n + kPanel - 1) / kPanel, pairs = (panels + 1) / 2;
   const int64_t padded = (m + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t blocks = (padded + kTileBlockRows - 1) / kTileBlockRows;
@@ -196,7 +197,7 @@ void run(uint16_t* y, const uint16_t* x, int64_t m, int64_t k, int64_t n, const 
       const int64_t index[2] = {2 * pair, std::min(2 * pair + 1, panels - 1)};
       Panel<Code> pair_panels[2];
       for (int q = 0; q < 2; ++q) {
-        pair_panels[q] = {codes + index[q] * groups * kTileRows * kRowCodes,
+        pair_panels[q] = {codes + index[q] * groups * kTileRows * kRowCodes<Code>,
                           scales + index[q] * groups * kPanel, zeros + index[q] * groups * kPanel,
                           widened.data() + q * groups * kTileRows};
       }
@@ -206,8 +207,6 @@ void run(uint16_t* y, const uint16_t* x, int64_t m, int64_t k, int64_t n, const 
     _tile_release();
   });
 }
-
-bool bf16_tiles_permitted() { return tiles_permitted(); }
 
 void quantized_linear_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                  const at::Tensor& scales, const at::Tensor& zeros) {
@@ -233,7 +232,7 @@ void quantized_linear_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::T
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear_bf16_tiles(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
         "Tensor zeros) -> ()");
-  m.def("bf16_tiles_permitted() -> bool", &pagellm::quantized::bf16_tiles_permitted);
+  m.def("bf16_tiles_permitted() -> bool", &pagellm::quantized::tiles_permitted);
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {

@@ -45,9 +45,9 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
         if packed_weights_supported(dtype, x.device):
             dense.pack_dense(shared=False)
         quantized = best_seconds(lambda: group[0].quantized_forward(x),
-                                  group[0].tensors_read(PROBE_TOKENS, quantized=True))
+                                 group[0].tensors_read(PROBE_TOKENS, quantized=True))
         if quantized < best_seconds(lambda: dense.dense_forward(x),
-                                     dense.tensors_read(PROBE_TOKENS, quantized=False)):
+                                    dense.tensors_read(PROBE_TOKENS, quantized=False)):
             winners += group
     return winners
 
@@ -63,11 +63,11 @@ def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
     for (in_features, out_features, _), group in _by_shape(with_int4).items():
         most = group[0].torch_int4_max_tokens
         timed = group[:MEASURED_LAYER_TOKENS // most]
+        ours = [layer.bf16_tiles or layer.quantized for layer in timed]
+        theirs = [layer.torch_int4 for layer in timed]
         served = 0
         for tokens in (size for size in INT4_CANDIDATE_TOKENS if size <= most):
             x = torch.randn(tokens, in_features).to(torch.bfloat16)
-            ours = [layer.bf16_tiles or layer.quantized for layer in timed]
-            theirs = [layer.torch_int4 for layer in timed]
             if _forms_seconds(timed, theirs, x) >= _forms_seconds(timed, ours, x):
                 break
             served = tokens
@@ -86,8 +86,8 @@ def _forms_seconds(layers: Sequence[Linear], forms: Sequence[QuantizedForm | Non
     present = [form for form in forms if form is not None]
     assert len(present) == len(layers)
     return best_seconds(lambda: [layer.quantized_forward(x, form)
-                                  for layer, form in zip(layers, present, strict=True)],
-                         [t for form in present for t in form_tensors(form)])
+                                 for layer, form in zip(layers, present, strict=True)],
+                        [t for form in present for t in form_tensors(form)])
 
 
 def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int], list[Linear]]:
@@ -113,9 +113,9 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
             x = torch.randn(tokens, in_features).to(dtype)
             timed = group[:max(1, MEASURED_LAYER_TOKENS // tokens)]
             quantized = best_seconds(lambda: [layer.quantized_forward(x) for layer in timed],
-                                      _read(timed, tokens, quantized=True))
+                                     _read(timed, tokens, quantized=True))
             dense = best_seconds(lambda: [layer.dense_forward(x) for layer in timed],
-                                  _read(timed, tokens, quantized=False))
+                                 _read(timed, tokens, quantized=False))
             wins.append(quantized < dense)
         best = max_tokens_from_wins(wins)
         for layer in group:
