@@ -85,7 +85,9 @@ struct Running {
 
 // Folds one block's scores (turned into exp(score - largest) in place) into a head's state.
 inline void fold_block_scores(Running& head, float* scores, int64_t count, int64_t d) {
-  const float block_largest = *std::max_element(scores, scores + count);
+  float block_largest = -INFINITY;
+#pragma omp simd reduction(max : block_largest)
+  for (int64_t t = 0; t < count; ++t) block_largest = std::max(block_largest, scores[t]);
   if (block_largest > head.largest) {
     const float shrink = exp_nonpositive(head.largest - block_largest);  // 0 for the first
     head.total *= shrink;
@@ -196,16 +198,17 @@ bool add_weighted_block(Running* heads, const float* weights, int64_t stride, co
 template <typename T, typename C, int64_t kDim>
 void attend_one(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
                 int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch,
-                const C* after_keys, const C* after_values) {
+                std::vector<Running>& heads, const C* after_keys, const C* after_values) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
   const int64_t bs = s.block_size, padded = (bs + 7) / 8 * 8;
-  scratch.assign(2 * group * d + group * bs + 2 * padded * d, 0.f);
+  scratch.resize(2 * group * d + group * bs + 2 * padded * d);  // kept from item to item
   float* q = scratch.data();
   float* weighted = q + group * d;
   float* scores = weighted + group * d;          // [group, block_size]
   float* block_keys = scores + group * bs;  // [padded block_size, d] widened (fp8 to bf16)
   float* block_values = block_keys + padded * d;  // [padded block_size, d]
-  std::vector<Running> heads(group);
+  std::fill(weighted, weighted + group * d, 0.f);
+  heads.resize(group);
   for (int64_t g = 0; g < group; ++g) heads[g] = {-INFINITY, 0.f, weighted + g * d};
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
   // the last block requests the first rows of the thread's next item (`after_*`, or null)
@@ -258,6 +261,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
   at::parallel_for(0, num_requests * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+    std::vector<Running> heads;
     // an item's first keys (its values follow one layer_stride further)
     auto first_keys = [&](int64_t item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
@@ -270,7 +274,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            ? first_keys(item + 1) : nullptr;
       attend_one<T, C, kDim>(o + offset, q + offset, cache + h * head_stride,
                              cache + layer_stride + h * head_stride, tables + n * s.max_blocks,
-                             lens[n], s, scale, scratch, after,
+                             lens[n], s, scale, scratch, heads, after,
                              after == nullptr ? nullptr : after + layer_stride);
     }
   });
