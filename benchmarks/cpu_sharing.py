@@ -1,7 +1,7 @@
 """Whether this CPU's threads share their matmul and memory resources.
 
-Prints a bf16 matmul's GFLOP/s and a large sum's read GB/s with torch on 2 threads, on 1,
-and with one thread doing each at the same time. If one of each side by side gets what
+Prints a bf16 matmul's GFLOP/s and the memory read GB/s (benchmarks/memory_roof.py) on 2
+threads, on 1, and with one thread doing each at the same time. If one of each side by side gets what
 each gets alone on one thread, the threads are separate cores: running decode attention
 (memory-bound) beside the matmuls (compute-bound) on the other core would split both
 resources rather than overlap them.
@@ -15,9 +15,9 @@ import threading
 import time
 
 import torch
+from memory_roof import read_gbps
 
 MATMUL = (1024, 2048, 2048)  # rows, inputs, outputs
-READ_BYTES = 200_000_000
 
 
 def matmul_gflops(repeats: int = 20) -> float:
@@ -30,20 +30,11 @@ def matmul_gflops(repeats: int = 20) -> float:
     return 2 * m * k * n * repeats / (time.perf_counter() - start) / 1e9
 
 
-def read_gbps(repeats: int = 10) -> float:
-    x = torch.ones(READ_BYTES // 2, dtype=torch.bfloat16)
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        x.sum()
-    return READ_BYTES * repeats / (time.perf_counter() - start) / 1e9
-
-
 def side_by_side() -> dict[str, float]:
     """One thread multiplying while another reads (torch on one thread each)."""
     results: dict[str, float] = {}
-    workers = [threading.Thread(target=lambda: results.update(matmul=matmul_gflops(40))),
-               threading.Thread(target=lambda: results.update(read=read_gbps(20)))]
+    workers = [threading.Thread(target=lambda: results.update(matmul=matmul_gflops(160))),
+               threading.Thread(target=lambda: results.update(read=read_gbps(tries=20)))]
     for worker in workers:
         worker.start()
     for worker in workers:

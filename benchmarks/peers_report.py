@@ -20,9 +20,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from memory_roof import read_gbps
+
 from pagellm.platform import resolve_dtype
 
 PARAMETERS = 134.5e6  # SmolLM2-135M
+KV_BLOCK_BYTES = 16 * 64 * 2  # SmolLM2's keys of one kv head in a bf16 block of 16 tokens
 COLUMNS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "p50_ttft_ms"),
            ("TTFT p99 ms", "p99_ttft_ms"), ("ITL p50 ms", "p50_itl_ms"),
            ("ITL p99 ms", "p99_itl_ms"))
@@ -83,19 +86,6 @@ def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def read_bandwidth_gbps(mib: int = 512, tries: int = 5) -> float:
-    """Best-of-`tries` GB/s of summing a `mib` MiB tensor with torch's threads: the memory
-    roof of a decode step, which reads every weight and every request's keys and values."""
-    data = torch.ones(mib * (1 << 20) // 4)
-    data.sum()  # warm-up, and the pages are touched
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
-
-
 def decode_log_name(round_number: int) -> str:
     return f"{DECODE_LOG_PREFIX}{round_number}.log"
 
@@ -148,9 +138,11 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int],
 
 
 def save_peak(peer_dir: Path, round_number: int) -> None:
-    """Measure the matmul roof on the idle machine, before the round's servers, for the report."""
-    (peer_dir / f"matmul_peak-{round_number}.json").write_text(
-        json.dumps({"gflops": matmul_peak_gflops(), "read_gbps": read_bandwidth_gbps()}))
+    """Measure the matmul and memory roofs on the idle machine, before the round's servers,
+    for the report."""
+    (peer_dir / f"matmul_peak-{round_number}.json").write_text(json.dumps(
+        {"gflops": matmul_peak_gflops(), "read_gbps": read_gbps(),
+         "scattered_read_gbps": read_gbps(chunk_bytes=KV_BLOCK_BYTES)}))
 
 
 def decode_steps(peer_dir: Path) -> list[tuple[int, float, float, float | None]]:
@@ -171,6 +163,7 @@ def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top:
     saved = [json.loads(path.read_text()) for path in peer_dir.glob("matmul_peak-*.json")]
     peak = max(s["gflops"] for s in saved) if saved else matmul_peak_gflops()
     bandwidths = [s["read_gbps"] for s in saved if "read_gbps" in s]
+    scattered = [s["scattered_read_gbps"] for s in saved if "scattered_read_gbps" in s]
     dtype = str(engine_dtype()).removeprefix("torch.")
     lines = [f"Roofline: {dtype} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best "
              "of 5 in each round, pagellm's dtype on this CPU); "
@@ -186,8 +179,11 @@ def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top:
     read = [(batch, ms, mb) for batch, ms, _, mb in steps if mb is not None]
     if bandwidths and read:
         bandwidth = max(bandwidths)
-        lines += ["", f"Memory roof: {bandwidth:.1f} GB/s read (a 512 MiB sum, best of 5 in each "
-                  "round); a decode step reads the weights in the forms it multiplies and every "
+        blocks = (f", {max(scattered):.1f} GB/s over {KV_BLOCK_BYTES} B chunks in random "
+                  "order, as a long-running server's KV blocks lie" if scattered else "")
+        lines += ["", f"Memory roof: {bandwidth:.1f} GB/s read in order{blocks} (512 MiB read "
+                  "with vector loads, `benchmarks/memory_roof.py`, best of 5 in each round); a "
+                  "decode step reads the weights in the forms it multiplies and every "
                   "request's keys and values."]
         lines += [f"- pagellm batched decode, batch {batch}: {mb:.0f} MB per step = "
                   f"{mb / ms:.1f} GB/s, {100 * mb / ms / bandwidth:.1f}% of the memory roof"
