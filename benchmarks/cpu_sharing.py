@@ -1,10 +1,10 @@
 """Whether this CPU's threads share their matmul and memory resources.
 
 Prints a bf16 matmul's GFLOP/s and the memory read GB/s (benchmarks/memory_roof.py) on 2
-threads, on 1, and with one thread doing each at the same time. If one of each side by side gets what
-each gets alone on one thread, the threads are separate cores: running decode attention
-(memory-bound) beside the matmuls (compute-bound) on the other core would split both
-resources rather than overlap them.
+threads, on 1, and with one thread doing each at the same time. If one of each side by
+side gets what each gets alone on one thread, the threads are separate cores: running
+decode attention (memory-bound) beside the matmuls (compute-bound) on the other core would
+split both resources rather than overlap them.
 
     python benchmarks/cpu_sharing.py
 """

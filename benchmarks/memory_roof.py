@@ -36,7 +36,7 @@ int64_t read_all(const at::Tensor& data, const at::Tensor& order, int64_t chunk_
   const int64_t chunks = in_order ? data.numel() / chunk_bytes : order.numel();
   const int64_t* index = in_order ? nullptr : order.const_data_ptr<int64_t>();
   const int64_t words = chunk_bytes / 8;
-  std::vector<uint64_t> partial(at::get_num_threads() * 8, 0);
+  std::vector<uint64_t> partial(at::get_num_threads() * 8, 0);  // a cache line per thread
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     uint64_t sum = 0;
     for (int64_t c = begin; c < end; ++c) {
@@ -67,8 +67,8 @@ TORCH_LIBRARY_FRAGMENT(pagellm_bench, m) { m.def("read_all", &read_all); }
 @functools.cache
 def _build() -> None:
     load_inline(name="pagellm_memory_roof", cpp_sources=_SOURCE,
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                is_python_module=False, verbose=False)
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 def read_gbps(mib: int = 512, chunk_bytes: int | None = None, tries: int = 5) -> float:

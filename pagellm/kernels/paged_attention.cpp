@@ -156,7 +156,8 @@ void add_weighted_cached_rows(Running* heads, const float* weights, int64_t stri
       acc[h][i] = _mm512_loadu_ps(heads[h].weighted + first + 16 * i);
   for (int64_t t = 0; t < count; ++t) {
     if (ahead != nullptr) widen_prefetching<C>(nullptr, nullptr, ahead + t * kDim, kDim);
-    if (ahead_keys != nullptr) widen_prefetching<C>(nullptr, nullptr, ahead_keys + t * kDim, kDim);
+    if (ahead_keys != nullptr)
+      widen_prefetching<C>(nullptr, nullptr, ahead_keys + t * kDim, kDim);
     __m512 row[4];
     for (int i = 0; i < 4; ++i) row[i] = pagellm::widen16(rows + t * kDim + first + 16 * i);
     for (int h = 0; h < kHeads; ++h) {
