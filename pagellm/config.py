@@ -23,8 +23,14 @@ class ModelConfig:
     served_model_name: str | None = None
     # steps up to this size multiply a GGUF's quantized matrices as stored; None: measured
     gguf_quantized_max_tokens: int | None = None
-    # multiply the codes with activations rounded to int8 (as llama.cpp does) in large steps
+    # multiply the codes with activations rounded to int8 (as llama.cpp does); never under an
+    # explicit float32, which means the exact dequantized model
     gguf_int8_activations: bool = True
+    # a request's logits do not depend on the rest of its step (GGUF models on CPU)
+    batch_invariant: bool = True
+
+    def int8_activations(self) -> bool:
+        return self.gguf_int8_activations and self.dtype not in ("float32", "float")
 
 
 @dataclass

@@ -44,11 +44,17 @@ _HELP = {
                                  "at start-up (any size, with no dequantized copy, where int8 "
                                  "activations beat the dense matmul); 0: always the "
                                  "dequantized weights",
-    "gguf_int8_activations": "in steps of 12 tokens or more, multiply a GGUF's codes with the "
-                             "activations rounded to int8 per 32 inputs, as llama.cpp does "
-                             "(on AVX2, twice float32's speed for 4-bit codes, 1.2x for 8-bit "
-                             "ones; on AMX tiles where the CPU has them); "
-                             "--no-gguf-int8-activations: float32, the exact dequantized model",
+    "gguf_int8_activations": "multiply a GGUF's codes with the activations rounded to int8 "
+                             "per 32 inputs, as llama.cpp does (on AVX2, twice float32's speed "
+                             "for 4-bit codes, 1.2x for 8-bit ones; on AMX tiles where the CPU "
+                             "has them; without batch invariance, in steps of 12 tokens or "
+                             "more); never with --dtype float32; --no-gguf-int8-activations: "
+                             "float32, the exact dequantized model",
+    "batch_invariant": "a request's logits are the same whatever else is in its step, however "
+                       "its prompt is chunked and whether its prefix was cached (GGUF models on "
+                       "CPU): each projection multiplies one form at every step size, and "
+                       "decodes attend through the prefill kernel; --no-batch-invariant times "
+                       "the fastest form per step size at start-up instead",
 }
 
 
@@ -76,17 +82,23 @@ class EngineArgs:
     preemption_mode: str = "auto"
     gguf_quantized_max_tokens: int | None = None
     gguf_int8_activations: bool = True
+    batch_invariant: bool = True
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
             raise ValueError("gguf_quantized_max_tokens must be at least 0, got "
                              f"{self.gguf_quantized_max_tokens}.")
+        if self.gguf_quantized_max_tokens is not None and self.batch_invariant:
+            raise ValueError("gguf_quantized_max_tokens chooses a form by step size, which "
+                             "batch invariance rules out: set batch_invariant=False "
+                             "(--no-batch-invariant) with it.")
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
                            chat_template=self.chat_template,
                            served_model_name=self.served_model_name,
                            gguf_quantized_max_tokens=self.gguf_quantized_max_tokens,
-                           gguf_int8_activations=self.gguf_int8_activations)
+                           gguf_int8_activations=self.gguf_int8_activations,
+                           batch_invariant=self.batch_invariant)
 
     def cache_config(self) -> CacheConfig:
         if self.block_size < 1:

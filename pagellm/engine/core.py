@@ -35,7 +35,8 @@ class EngineCore:
         self.loaded: LoadedModel = load_model(model_config.model, self.dtype, device,
                                               model_config.tokenizer,
                                               model_config.gguf_quantized_max_tokens,
-                                              model_config.gguf_int8_activations)
+                                              model_config.int8_activations(),
+                                              model_config.batch_invariant)
         weights_bytes = self.loaded.model.weight_bytes()
         logger.info("Model loading took %.4f GiB and %.6f seconds",
                     weights_bytes / _GIB, time.perf_counter() - start)
@@ -48,7 +49,8 @@ class EngineCore:
             logger.info("KV cache dtype: %s (the model computes in %s)",
                         dtype_name(kv_cache_dtype), dtype_name(self.dtype))
         self.runner = ModelRunner(self.loaded.model, self.loaded.arch, cache_config.block_size,
-                                  device, self.dtype, model_config.seed, kv_cache_dtype)
+                                  device, self.dtype, model_config.seed, kv_cache_dtype,
+                                  model_config.batch_invariant)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         self.runner.allocate_kv_cache(self.num_blocks)
         offload = self._make_offload_pool()

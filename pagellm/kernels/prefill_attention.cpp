@@ -153,7 +153,9 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
     float* row = s + j * rows;
 #pragma omp simd
     for (int64_t r = 0; r < rows; ++r) {
-      row[r] = exp_nonpositive(row[r] - mx[r]);
+      // exactly 0 for a masked key (exp_nonpositive(-inf) is about 1.6e-38): a row's sums then do
+      // not depend on how many keys past its position its work item reads
+      row[r] = row[r] == -INFINITY ? 0.f : exp_nonpositive(row[r] - mx[r]);
       l[r] += row[r];
     }
   }

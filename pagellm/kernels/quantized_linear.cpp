@@ -299,10 +299,13 @@ void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k,
   });
 }
 
+// `panels_only`: every step size multiplies in panels, whose sums per output do not depend
+// on the number of rows (the few-row passes sum in another order): a row's result is then
+// the same whatever else is in its step.
 template <typename T, int kBits>
 void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-         const float* scales, const float* zeros) {
-  if (m >= kMinPanelRows) {
+         const float* scales, const float* zeros, bool panels_only) {
+  if (m >= kMinPanelRows || panels_only) {
     run_panels<T, kBits>(y, x_in, m, k, n, codes, scales, zeros);
     return;
   }
@@ -315,7 +318,8 @@ void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* co
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8.
 void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes,
-                      const at::Tensor& scales, const at::Tensor& zeros, int64_t bits) {
+                      const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
+                      bool panels_only) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
                   y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
@@ -336,7 +340,7 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
     using T = decltype(tag);
     auto kernel = bits == 4 ? run<T, 4> : run<T, 8>;
     kernel(y.mutable_data_ptr<T>(), x.const_data_ptr<T>(), m, k, n, code_ptr,
-           scales.const_data_ptr<float>(), zero_ptr);
+           scales.const_data_ptr<float>(), zero_ptr, panels_only);
   });
 }
 
@@ -344,7 +348,7 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear(Tensor(a!) y, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
-        "int bits) -> ()");
+        "int bits, bool panels_only) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("quantized_linear", &quantized_linear); }

@@ -7,6 +7,11 @@ block_size + offset`); queries then read the keys of their request through its
 block table. Requests are attended in two padded groups, one call each for the
 whole batch: decodes (one query token each) and prefills (chunks of prompt).
 Splitting keeps a long prefill chunk from padding every decode to its length.
+
+Where the CPU kernels attend, a batch-invariant step is one group instead, through the
+prefill kernel: each query row's result there depends only on its own query, position and
+keys, so a token attends alike as a decode, in a chunk of any size, or recomputed after
+preemption (the decode kernel sums in another order).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class AttentionGroup:
     query_starts: torch.Tensor  # [B] flat token index of each request's first query
     query_lens: torch.Tensor  # [B]
     all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
+    prefill_kernel: bool = False  # single queries too go through the prefill kernel
 
 
 @dataclass
@@ -63,15 +69,22 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     device: torch.device,
+    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """Group the step's requests; `seq_lens` count the tokens known after this step."""
     query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+    one_group = batch_invariant and _kernels_attend(device)
+    if one_group:
+        members_of_groups = [list(range(len(query_lens)))]
+    else:
+        members_of_groups = [[i for i, q in enumerate(query_lens) if q == 1],
+                             [i for i, q in enumerate(query_lens) if q > 1]]
     groups = [
         _build_group(members, query_starts, query_lens, seq_lens, block_tables, block_size, device)
-        for members in (decodes, prefills) if members
+        for members in members_of_groups if members
     ]
+    for group in groups:
+        group.prefill_kernel = one_group
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups,
                              num_tokens=int(sum(query_lens)))
 
@@ -180,11 +193,12 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    if max_q == 1 and use_cpu_kernels(kv_cache):
+    if max_q == 1 and use_cpu_kernels(kv_cache) and not group.prefill_kernel:
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale)
-    if max_q > 1 and use_cpu_kernels(kv_cache) and prefill_attention_available():
+    if ((max_q > 1 or group.prefill_kernel) and use_cpu_kernels(kv_cache)
+            and prefill_attention_available()):
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
                                        group.query_starts, group.query_lens,
                                        group.token_index.numel(), scale)

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
-from pagellm.model.quantized import GroupQuantWeight, Linear
+from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate_
 
 # HF projection name -> (our fused projection, index of its shard along the output rows)
@@ -197,15 +197,18 @@ class LlamaForCausalLM(nn.Module):
     def pack_dense_weights(self) -> None:
         """oneDNN's layout for every float weight of a projection (Linear.pack_dense)."""
         for module in self.modules():
-            if isinstance(module, Linear) and not module.dense_released:
+            if (isinstance(module, Linear) and not module.dense_released
+                    and module.quantized_max_tokens != ANY_TOKENS):
                 module.pack_dense(shared=module is self.lm_head and self.lm_head_is_tied)
 
     def attach_quantized_weights(self, weights: Iterable[tuple[str, GroupQuantWeight]],
                                  max_tokens: int, int8_activations: bool = False,
-                                 bf16_tiles: bool = False) -> list[Linear]:
-        """Give projections their quantized form for steps of at most `max_tokens` tokens. A
-        fused projection gets one only if every shard has one; a tied output projection gets
-        the embeddings'. Returns the layers that did."""
+                                 bf16_tiles: bool = False,
+                                 batch_invariant: bool = False) -> list[Linear]:
+        """Give projections their quantized form for steps of at most `max_tokens` tokens
+        (every step, in one form, if `batch_invariant`). A fused projection gets one only if
+        every shard has one; a tied output projection gets the embeddings'. Returns the
+        layers that did."""
         shards: dict[str, dict[int | None, GroupQuantWeight]] = {}
         for hf_name, weight in weights:
             if hf_name == "model.embed_tokens.weight" and self.arch.tie_word_embeddings:
@@ -217,9 +220,11 @@ class LlamaForCausalLM(nn.Module):
             layer = self.get_submodule(name)
             if not isinstance(layer, Linear) or set(parts) != set(_shards_of(name + ".weight")):
                 continue
-            layer.attach_quantized(
-                GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)]), max_tokens,
-                int8_activations, bf16_tiles)
+            weight = GroupQuantWeight.cat([parts[key] for key in sorted(parts, key=_order)])
+            if batch_invariant:
+                layer.attach_batch_invariant(weight, int8_activations)
+            else:
+                layer.attach_quantized(weight, max_tokens, int8_activations, bf16_tiles)
             attached.append(layer)
         return attached
 

@@ -76,26 +76,22 @@ def resolve_model_path(model: str | None) -> Path:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                tokenizer: str | None = None,
                gguf_quantized_max_tokens: int | None = 0,
-               gguf_int8_activations: bool = False) -> LoadedModel:
+               gguf_int8_activations: bool = False,
+               batch_invariant: bool = False) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
     quantized matrices as stored; None measures where that stops paying (under int8
     activations, where the int8 path wins at every size, those get no float weights), 0
     never does.
-    `gguf_int8_activations`: those of 12 tokens or more round the activations to int8."""
+    `gguf_int8_activations`: those of 12 tokens or more round the activations to int8.
+    `batch_invariant` (with `gguf_quantized_max_tokens` None): every step multiplies one
+    form, measured nothing (see attach_batch_invariant)."""
     path = resolve_model_path(model)
     start = time.perf_counter()
     if path.suffix == ".gguf":
         reader = gguf.GGUFReader(path)
         arch = arch_from_gguf(reader)
-        net = instantiate(arch, dtype, device)
-        layers = []
-        if gguf_quantized_max_tokens != 0 and quantized_supported(device):
-            layers = attach_quantized(net, gguf_quantized_weights(reader, arch),
-                                      gguf_quantized_max_tokens, gguf_int8_activations, dtype)
-        net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
-        pack_if_supported(net, dtype, device)
-        if layers:
-            choose_quantized_sizes(layers, gguf_quantized_max_tokens, dtype)
+        net = load_gguf_model(reader, arch, dtype, device, gguf_quantized_max_tokens,
+                              gguf_int8_activations, batch_invariant)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
@@ -109,6 +105,43 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                        chat_template=find_chat_template(tokenizer_source(path, tokenizer), tok),
                        path=path, weights_seconds=seconds,
                        eos_token_ids=eos_token_ids(path, tok))
+
+
+def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtype,
+                    device: torch.device, max_tokens: int | None, int8_activations: bool,
+                    batch_invariant: bool) -> LlamaForCausalLM:
+    net = instantiate(arch, dtype, device)
+    layers = []
+    if max_tokens != 0 and quantized_supported(device):
+        weights = gguf_quantized_weights(reader, arch)
+        if batch_invariant and max_tokens is None:
+            layers = attach_batch_invariant(net, weights, int8_activations)
+        else:
+            layers = attach_quantized(net, weights, max_tokens, int8_activations, dtype)
+    net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
+    pack_if_supported(net, dtype, device)
+    if layers and not layers[0].batch_invariant:
+        choose_quantized_sizes(layers, max_tokens, dtype)
+    return net
+
+
+def attach_batch_invariant(net: LlamaForCausalLM,
+                           weights: Iterable[tuple[str, GroupQuantWeight]],
+                           int8_activations: bool) -> list[Linear]:
+    """Every quantized projection multiplies one form at every step size and keeps no float
+    weights (the tied output projection's are the embedding table); nothing is timed."""
+    layers = net.attach_quantized_weights(weights, ANY_TOKENS, int8_activations,
+                                          batch_invariant=True)
+    for layer in layers:
+        if not (layer is net.lm_head and net.arch.tie_word_embeddings):
+            layer.release_dense()
+    int8 = sum(layer.int8_panels is not None for layer in layers)
+    logger.info("Steps multiply the GGUF's quantized weights of %d projections (%s) at every "
+                "step size, in one order of sums: batch-invariant", len(layers),
+                "with int8 activations" if int8 == len(layers) else
+                "in float32, the exact dequantized model" if int8 == 0 else
+                f"{int8} with int8 activations, {len(layers) - int8} in float32")
+    return layers
 
 
 def attach_quantized(net: LlamaForCausalLM, weights: Iterable[tuple[str, GroupQuantWeight]],

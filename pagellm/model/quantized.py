@@ -24,6 +24,12 @@ On a CPU with AMX's bf16 tiles and a bf16 model, the steps torch's int4 kernel d
 serve instead widen the codes to bf16 a panel at a time and multiply them on the tiles
 (`Bf16Tiles`): the dense model's products from a quarter of its weight bytes, and no int8
 rounding.
+
+Batch invariance (the engine's default) rules all of that choosing out: each form rounds
+differently, so a row's result would depend on how many rows share its step, and the timed
+choices on how busy the machine was at start-up. A batch-invariant layer multiplies one
+form at every step size, in one order of sums whatever the number of rows: its int8 panels
+(int8 activations), or else its codes widened to float32 (the exact dequantized model).
 """
 
 from __future__ import annotations
@@ -194,11 +200,14 @@ class Linear(nn.Linear):
         self.packed: torch.Tensor | None = None  # the float weight in oneDNN's layout
         self.torch_int4: TorchInt4 | None = None  # 4-bit codes for torch's small-step kernel
         self.torch_int4_max_tokens = 0  # the steps it serves (measured: choose_torch_int4)
+        self.int8_min_tokens = INT8_MIN_TOKENS  # the smallest step the int8 panels multiply
+        self.batch_invariant = False  # one form and one order of sums at every step size
 
     def attach_quantized(self, weight: GroupQuantWeight, max_tokens: int,
                          int8_activations: bool = False, bf16_tiles: bool = False) -> None:
         """`int8_activations` applies where the CPU has the int8 kernel; `bf16_tiles` (a bf16
-        layer on a CPU with AMX-BF16, see bf16_tiles_available) replaces it."""
+        layer on a CPU with AMX-BF16, see bf16_tiles_available) replaces it. See
+        attach_batch_invariant for the engine's default."""
         if weight.codes.shape != self.weight.shape:
             raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
                              f"of shape {tuple(self.weight.shape)}.")
@@ -215,6 +224,15 @@ class Linear(nn.Linear):
             self.torch_int4 = TorchInt4.of(weight)
             self.torch_int4_max_tokens = (TORCH_INT4_BEFORE_TILES_MAX_TOKENS if use_tiles
                                           else TORCH_INT4_MAX_TOKENS)
+
+    def attach_batch_invariant(self, weight: GroupQuantWeight, int8_activations: bool) -> None:
+        """Multiply one quantized form at every step size: the int8 panels where
+        `int8_activations` applies, else the codes in float32, in panels at every size."""
+        self.attach_quantized(weight, ANY_TOKENS, int8_activations)
+        self.torch_int4 = None
+        self.torch_int4_max_tokens = 0
+        self.int8_min_tokens = 1
+        self.batch_invariant = True
 
     def release_dense(self) -> None:
         """Multiply the quantized form at every step size and free the float weight (4x the
@@ -269,7 +287,7 @@ class Linear(nn.Linear):
             return self.torch_int4
         if self.bf16_tiles is not None:
             return self.bf16_tiles
-        if self.int8_panels is not None and tokens >= INT8_MIN_TOKENS:
+        if self.int8_panels is not None and tokens >= self.int8_min_tokens:
             return self.int8_panels
         assert self.quantized is not None
         return self.quantized
@@ -298,7 +316,8 @@ class Linear(nn.Linear):
         """pagellm's kernel on the codes, widened to float32 (no bias)."""
         q = self.quantized
         assert q is not None
-        return quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features)
+        return quantized_linear(x, q.codes, q.scales, q.zeros, q.bits, self.out_features,
+                                panels_only=self.batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:

@@ -45,8 +45,10 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None,
+                 batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.arch = arch
         self.block_size = block_size
         self.device = device
@@ -199,7 +201,8 @@ class ModelRunner:
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
         metadata = build_attention_metadata(query_lens, seq_lens,
                                             [s.request.block_ids for s in step.scheduled],
-                                            slot_mapping, self.block_size, device)
+                                            slot_mapping, self.block_size, device,
+                                            self.batch_invariant)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
