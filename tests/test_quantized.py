@@ -257,9 +257,9 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
     kernel = quantized_module.quantized_linear
 
-    def counting(*args: object) -> torch.Tensor:
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
         calls[0] += 1
-        return kernel(*args)
+        return kernel(*args, **kwargs)
 
     monkeypatch.setattr(quantized_module, "quantized_linear", counting)
     return calls
