@@ -7,10 +7,14 @@
 // tokens of one request times the query heads sharing one kv head. It walks the key
 // blocks once, with an online softmax, and keeps its query rows along the vector lanes:
 //   - the queries are transposed once per item (Qt [head_dim, rows]), so scores of 4
-//     keys x 16 rows (32 on AVX512) are a register tile of FMAs, each key value broadcast;
+//     keys x 16 rows (32 on AVX512; one vector of rows for an item that fills no more, such
+//     as a decode's query heads) are a register tile of FMAs, each key value broadcast;
 //   - the softmax over a block's keys is then elementwise across rows;
-//   - the output (Ot [head_dim, rows]) gathers values the same way, tiles of 4 dims x 16
-//     (or 32) rows, rescaled by the softmax's correction as the tile is loaded.
+//   - the output (Ot [head_dim, rows]) gathers values the same way, tiles of 4 dims x the
+//     same rows, rescaled by the softmax's correction as the tile is loaded.
+// Each row's sums run in one order whatever else its item holds, so a token attends alike
+// as a decode, in a chunk of any size, or recomputed (the batch-invariant engine sends
+// decodes here too).
 // Keys past a row's position are masked only in the blocks that hold some (the diagonal);
 // blocks past the item's last position are never read. Everything computes in float32.
 #include <ATen/Parallel.h>
@@ -56,53 +60,57 @@ inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 #endif
 
 constexpr int64_t kItemTokens = 32;     // query tokens per work item
-constexpr int64_t kLanes = 2 * kWidth;  // query rows per register tile: two vectors
 constexpr int64_t kTile = 4;            // keys (scores) or head dims (output) per register tile
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
 };
 
-// s[j][r0..r0+kLanes) = sum_i keys[j][i] * qt[i][r0..r0+kLanes) for the 4 keys of `keys`.
+// s[j][r0..r0+kVecs*kWidth) = sum_i keys[j][i] * qt[i][r0..) for the 4 keys of `keys`. Each
+// lane sums its own row in the same order whatever kVecs is: a row's scores do not depend on
+// how many rows share its tile.
+template <int kVecs>
 inline void score_tile(float* s, const float* keys, const float* qt, int64_t d, int64_t rows,
                        int64_t r0) {
-  Vec acc[kTile][2];
-  for (auto& pair : acc) pair[0] = pair[1] = zero_vec();
+  Vec acc[kTile][kVecs];
+  for (auto& lanes : acc) {
+    for (auto& v : lanes) v = zero_vec();
+  }
   for (int64_t i = 0; i < d; ++i) {
-    const Vec q0 = load_vec(qt + i * rows + r0), q1 = load_vec(qt + i * rows + r0 + kWidth);
+    Vec q[kVecs];
+    for (int v = 0; v < kVecs; ++v) q[v] = load_vec(qt + i * rows + r0 + v * kWidth);
     for (int64_t j = 0; j < kTile; ++j) {
       const Vec key = broadcast(keys + j * d + i);
-      acc[j][0] = fmadd(key, q0, acc[j][0]);
-      acc[j][1] = fmadd(key, q1, acc[j][1]);
+      for (int v = 0; v < kVecs; ++v) acc[j][v] = fmadd(key, q[v], acc[j][v]);
     }
   }
   for (int64_t j = 0; j < kTile; ++j) {
-    store_vec(s + j * rows + r0, acc[j][0]);
-    store_vec(s + j * rows + r0 + kWidth, acc[j][1]);
+    for (int v = 0; v < kVecs; ++v) store_vec(s + j * rows + r0 + v * kWidth, acc[j][v]);
   }
 }
 
-// ot[i0 + i][r0..r0+kLanes) = ot[..] * correction[r0..] + sum_j values[j][i0 + i] * p[j][r0..]
-// for the 4 dims from i0, over `count` keys.
+// ot[i0 + i][r0..) = ot[..] * correction[r0..] + sum_j values[j][i0 + i] * p[j][r0..] for
+// the 4 dims from i0, over `count` keys.
+template <int kVecs>
 inline void accumulate_tile(float* ot, const float* values, const float* p, const float* correction,
                             int64_t count, int64_t d, int64_t rows, int64_t i0, int64_t r0) {
-  const Vec c0 = load_vec(correction + r0), c1 = load_vec(correction + r0 + kWidth);
-  Vec acc[kTile][2];
+  Vec c[kVecs], acc[kTile][kVecs];
+  for (int v = 0; v < kVecs; ++v) c[v] = load_vec(correction + r0 + v * kWidth);
   for (int64_t i = 0; i < kTile; ++i) {
-    acc[i][0] = mul(load_vec(ot + (i0 + i) * rows + r0), c0);
-    acc[i][1] = mul(load_vec(ot + (i0 + i) * rows + r0 + kWidth), c1);
+    for (int v = 0; v < kVecs; ++v) {
+      acc[i][v] = mul(load_vec(ot + (i0 + i) * rows + r0 + v * kWidth), c[v]);
+    }
   }
   for (int64_t j = 0; j < count; ++j) {
-    const Vec p0 = load_vec(p + j * rows + r0), p1 = load_vec(p + j * rows + r0 + kWidth);
+    Vec pj[kVecs];
+    for (int v = 0; v < kVecs; ++v) pj[v] = load_vec(p + j * rows + r0 + v * kWidth);
     for (int64_t i = 0; i < kTile; ++i) {
       const Vec value = broadcast(values + j * d + i0 + i);
-      acc[i][0] = fmadd(value, p0, acc[i][0]);
-      acc[i][1] = fmadd(value, p1, acc[i][1]);
+      for (int v = 0; v < kVecs; ++v) acc[i][v] = fmadd(value, pj[v], acc[i][v]);
     }
   }
   for (int64_t i = 0; i < kTile; ++i) {
-    store_vec(ot + (i0 + i) * rows + r0, acc[i][0]);
-    store_vec(ot + (i0 + i) * rows + r0 + kWidth, acc[i][1]);
+    for (int v = 0; v < kVecs; ++v) store_vec(ot + (i0 + i) * rows + r0 + v * kWidth, acc[i][v]);
   }
 }
 
@@ -161,10 +169,13 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
   }
 }
 
-template <typename T, typename C>
+// An item of up to kWidth rows (a decode's query heads, a short chunk) takes tiles one
+// vector wide, larger ones two.
+template <typename T, typename C, int kVecs>
 void attend_item(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
                  int64_t seq_len, int64_t query_len, int64_t first, const Shape& s, float scale,
                  Scratch& w) {
+  constexpr int64_t kLanes = kVecs * kWidth;
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t tokens = std::min(kItemTokens, query_len - first);
   const int64_t rows = (tokens * group + kLanes - 1) / kLanes * kLanes;
@@ -185,13 +196,13 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
     std::fill(w.keys.begin() + count * d, w.keys.end(), 0.f);
     for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
       for (int64_t j0 = 0; j0 < count; j0 += kTile) {
-        score_tile(w.scores.data() + j0 * rows, w.keys.data() + j0 * d, w.qt.data(), d, rows, r0);
+        score_tile<kVecs>(w.scores.data() + j0 * rows, w.keys.data() + j0 * d, w.qt.data(), d, rows, r0);
       }
     }
     fold_block(w, rows, count, static_cast<float>(b * bs), b * bs + count - 1 > first_position);
     for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
       for (int64_t i0 = 0; i0 < d; i0 += kTile) {
-        accumulate_tile(w.ot.data(), w.values.data(), w.scores.data(), w.correction.data(),
+        accumulate_tile<kVecs>(w.ot.data(), w.values.data(), w.scores.data(), w.correction.data(),
                         count, d, rows, i0, r0);
       }
     }
@@ -236,11 +247,13 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t n = item_request[chunk];
-      attend_item<T, C>(o + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
-                        q + starts[n] * s.query_row_stride + h * group * s.head_dim,
-                        cache + h * head_stride, cache + layer_stride + h * head_stride,
-                        tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s,
-                        scale, scratch);
+      const int64_t rows = std::min(kItemTokens, q_lens[n] - item_first[chunk]) * group;
+      auto attend = rows <= kWidth ? attend_item<T, C, 1> : attend_item<T, C, 2>;
+      attend(o + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
+             q + starts[n] * s.query_row_stride + h * group * s.head_dim,
+             cache + h * head_stride, cache + layer_stride + h * head_stride,
+             tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s, scale,
+             scratch);
     }
   });
 }

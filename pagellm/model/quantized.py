@@ -107,6 +107,11 @@ class GroupQuantWeight:
         weight = (self.codes.float() - self.offset) * expand(self.scales)
         return weight if self.zeros is None else weight + expand(self.zeros)
 
+    def in_kernel_layout(self) -> GroupQuantWeight:
+        """These weights as quantized_linear reads them (see kernel_codes)."""
+        zeros = None if self.zeros is None else self.zeros.contiguous()
+        return GroupQuantWeight(self.kernel_codes(), self.scales.contiguous(), zeros, self.bits)
+
     def kernel_codes(self) -> torch.Tensor:
         """The codes in the kernel's layout: 8-bit as is; 4-bit two per byte, element j of a
         group in the low nibble of byte j and element 16 + j in its high nibble."""
@@ -208,12 +213,8 @@ class Linear(nn.Linear):
         """`int8_activations` applies where the CPU has the int8 kernel; `bf16_tiles` (a bf16
         layer on a CPU with AMX-BF16, see bf16_tiles_available) replaces it. See
         attach_batch_invariant for the engine's default."""
-        if weight.codes.shape != self.weight.shape:
-            raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
-                             f"of shape {tuple(self.weight.shape)}.")
-        zeros = None if weight.zeros is None else weight.zeros.contiguous()
-        self.quantized = GroupQuantWeight(weight.kernel_codes(), weight.scales.contiguous(), zeros,
-                                          weight.bits)
+        self._check_shape(weight)
+        self.quantized = weight.in_kernel_layout()
         self.quantized_max_tokens = max_tokens
         use_tiles = bf16_tiles and self.weight.dtype == torch.bfloat16
         self.bf16_tiles = weight.bf16_tiles() if use_tiles else None
@@ -227,17 +228,26 @@ class Linear(nn.Linear):
 
     def attach_batch_invariant(self, weight: GroupQuantWeight, int8_activations: bool) -> None:
         """Multiply one quantized form at every step size: the int8 panels where
-        `int8_activations` applies, else the codes in float32, in panels at every size."""
-        self.attach_quantized(weight, ANY_TOKENS, int8_activations)
-        self.torch_int4 = None
-        self.torch_int4_max_tokens = 0
+        `int8_activations` applies (and then no other form is kept), else the codes in
+        float32, in panels at every size."""
+        self._check_shape(weight)
+        self.quantized_max_tokens = ANY_TOKENS
+        if int8_activations and int8_matmul_available():
+            self.int8_panels = weight.int8_panels()
+        else:
+            self.quantized = weight.in_kernel_layout()
         self.int8_min_tokens = 1
         self.batch_invariant = True
+
+    def _check_shape(self, weight: GroupQuantWeight) -> None:
+        if weight.codes.shape != self.weight.shape:
+            raise ValueError(f"quantized weight of shape {tuple(weight.codes.shape)} for a layer "
+                             f"of shape {tuple(self.weight.shape)}.")
 
     def release_dense(self) -> None:
         """Multiply the quantized form at every step size and free the float weight (4x the
         bytes of 8-bit codes, 8x those of 4-bit ones), which is then never loaded."""
-        assert self.quantized is not None
+        assert self.quantized is not None or self.int8_panels is not None
         self.quantized_max_tokens = ANY_TOKENS
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         self.dense_released = True
@@ -272,7 +282,7 @@ class Linear(nn.Linear):
 
     def bytes_read(self, tokens: int) -> int:
         """Bytes of the form that a step of `tokens` tokens multiplies: all of it is read."""
-        quantized = self.quantized is not None and tokens <= self.quantized_max_tokens
+        quantized = tokens <= self.quantized_max_tokens
         return sum(t.numel() * t.element_size() for t in self.tensors_read(tokens, quantized))
 
     def tensors_read(self, tokens: int, quantized: bool) -> list[torch.Tensor]:
@@ -320,6 +330,6 @@ class Linear(nn.Linear):
                                 panels_only=self.batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
+        if x.shape[0] <= self.quantized_max_tokens:
             return self.quantized_forward(x)
         return self.dense_forward(x)
