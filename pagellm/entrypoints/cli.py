@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagellm.benchmarks import fidelity, throughput
 from pagellm.benchmarks import serve as serve_benchmark
-from pagellm.benchmarks import throughput
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cli.add_chat_args(chat)
     chat.set_defaults(handler=chat_cli.run)
     bench = verbs.add_parser("bench", help="benchmark the engine")
-    bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput,serve}",
+    bench_kinds = bench.add_subparsers(dest="bench_kind", metavar="{throughput,serve,fidelity}",
                                        parser_class=_Parser)
     bench_throughput = bench_kinds.add_parser("throughput", help="offline output tokens/s")
     throughput.add_cli_args(bench_throughput)
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve = bench_kinds.add_parser("serve", help="load-test an OpenAI-compatible server")
     serve_benchmark.add_cli_args(bench_serve)
     bench_serve.set_defaults(handler=serve_benchmark.run)
+    bench_fidelity = bench_kinds.add_parser(
+        "fidelity", help="greedy answers of engine choices against the exact model")
+    fidelity.add_cli_args(bench_fidelity)
+    bench_fidelity.set_defaults(handler=fidelity.run)
     return parser
 
 

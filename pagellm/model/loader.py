@@ -23,6 +23,7 @@ from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
 from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
 logger = init_logger(__name__)
@@ -87,11 +88,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     form, measured nothing (see attach_batch_invariant)."""
     path = resolve_model_path(model)
     start = time.perf_counter()
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" and batch_invariant and gguf_quantized_max_tokens is None:
+        arch, net = load_invariant_gguf_model(path, dtype, device, gguf_int8_activations)
+    elif path.suffix == ".gguf":
         reader = gguf.GGUFReader(path)
         arch = arch_from_gguf(reader)
         net = load_gguf_model(reader, arch, dtype, device, gguf_quantized_max_tokens,
-                              gguf_int8_activations, batch_invariant)
+                              gguf_int8_activations, batch_invariant=False)
     else:
         arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
         net = instantiate(arch, dtype, device)
@@ -105,6 +108,26 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                        chat_template=find_chat_template(tokenizer_source(path, tokenizer), tok),
                        path=path, weights_seconds=seconds,
                        eos_token_ids=eos_token_ids(path, tok))
+
+
+def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
+                              int8_activations: bool) -> tuple[ArchConfig, LlamaForCausalLM]:
+    """A batch-invariant GGUF model: its prepared weights from the cache, or prepared from
+    the file and cached (prepared_weights.py)."""
+    cached = prepared_path(path, dtype, int8_activations)
+    prepared = load_prepared(cached, dtype, device) if quantized_supported(device) else None
+    if prepared is not None:
+        logger.info("Prepared weights read from %s", cached)
+        arch, net = prepared
+        pack_if_supported(net, dtype, device)
+        return arch, net
+    reader = gguf.GGUFReader(path)
+    arch = arch_from_gguf(reader)
+    net = load_gguf_model(reader, arch, dtype, device, None, int8_activations,
+                          batch_invariant=True)
+    if quantized_supported(device):
+        save_prepared(cached, net)
+    return arch, net
 
 
 def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtype,

@@ -236,7 +236,7 @@ class Linear(nn.Linear):
             self.int8_panels = weight.int8_panels()
         else:
             self.quantized = weight.in_kernel_layout()
-        self.int8_min_tokens = 1
+        self.int8_min_tokens = 0  # even an empty step (a last layer with no row to sample)
         self.batch_invariant = True
 
     def _check_shape(self, weight: GroupQuantWeight) -> None:
