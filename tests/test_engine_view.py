@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagellm import LLM, SamplingParams
 from pagellm.core.block_map import CACHED, FREE, OFFLOADED, USED, block_map
 from pagellm.core.block_pool import BlockPool
 from pagellm.core.offload import OffloadPool
@@ -47,6 +48,23 @@ def test_big_cache_is_drawn_in_cells_of_the_majority_state() -> None:
     assert picture.tier1.blocks_per_cell == 10 and len(picture.tier1.cells) == 100
     assert list(picture.tier1.cells) == [USED] * 30 + [FREE] * 70
     assert picture.tier1.counts[USED] == 300  # the counts stay exact
+
+
+def test_engine_core_maps_its_blocks_at_the_first_step_and_when_idle(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    engine = llm.engine
+    assert engine.info.num_kv_blocks == 64
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 40))},
+                       SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    first = engine.last_stats.block_map
+    assert first is not None and first.tier1.counts[USED] == 3  # 37 tokens in blocks of 16
+    maps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        maps.append(engine.last_stats.block_map)
+    assert maps[-1] is not None  # idle: a fresh map, nothing held any more
+    assert maps[-1].tier1.counts[USED] == 0 and maps[-1].tier1.counts[CACHED] == 2
 
 
 def _stats(running: int, prompt: int, queries: int, hits: int) -> SchedulerStats:

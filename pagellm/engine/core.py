@@ -50,6 +50,8 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded.model, self.loaded.arch, cache_config.block_size,
                                   device, self.dtype, model_config.seed, kv_cache_dtype)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
+        logger.info("Allocating the KV cache: %s blocks of %s tokens", f"{self.num_blocks:,}",
+                    cache_config.block_size)
         self.runner.allocate_kv_cache(self.num_blocks)
         offload = self._make_offload_pool()
         measure = offload is not None and scheduler_config.preemption_mode == "auto"

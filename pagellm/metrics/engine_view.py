@@ -43,7 +43,9 @@ class EngineViewRecorder:
     def _bucket(self, now: float) -> _Bucket:
         if not self.buckets or now - self.buckets[-1].start >= self.bucket_seconds:
             start = now if not self.buckets else self.buckets[-1].start + self.bucket_seconds
-            while now - start >= self.bucket_seconds:  # idle buckets stay in the history
+            idle = int((now - start) // self.bucket_seconds)  # empty buckets stay in the history
+            start += max(0, idle - (self.buckets.maxlen or idle)) * self.bucket_seconds
+            while now - start >= self.bucket_seconds:
                 self.buckets.append(_Bucket(start))
                 start += self.bucket_seconds
             self.buckets.append(_Bucket(start))
