@@ -6,7 +6,9 @@ run per `--concurrency` with num-prompts = max(8, 2 x concurrency), then one
 `--request-rate` run), stop it, move on. For pagellm, then also time batched decode steps
 offline (`pagellm bench throughput --decode-steps`). The matmul peak, in the dtype
 pagellm picks on this CPU, is measured first, on the idle machine. Then write
-benchmarks/results/peers.md and plots.
+benchmarks/results/NAME.md and plots, NAME being this machine's kind (`cpu-amx`,
+`cpu-avx512-bf16`, `cpu-avx2`): the latest results for each kind of machine, which a new
+run replaces (git keeps the old ones).
 
 Peers: `pagellm` (the embedded SmolLM2-135M Q4_1 GGUF), `llamacpp` (llama-cpp-python's
 OpenAI server on the same GGUF; skipped when not installed) and `naive` (transformers +
@@ -27,14 +29,14 @@ naive=16` (the cap applies to every run of that peer, the rate run included).
 
 The host's speed can drift by 10-50% over minutes, so `--repeat N` runs the whole peer
 loop N times in rounds (pagellm, llamacpp, naive, then again), and the report gives each
-figure's median over the rounds; `--name` keeps such a run's files apart from the default
-`peers` set:
+figure's median over the rounds; `--name` keeps an experiment's files apart from the
+machine's results:
 
-    python benchmarks/peers.py --max-prompts naive=16
-    python benchmarks/peers.py --report-only        # redo peers.md and the plots
-    python benchmarks/peers.py --name peers-targets-kv-bf16 --repeat 3 --concurrency 1 64 \
-        --request-rate 0 --max-prompts naive=16 --max-prompts llamacpp=32 \
-        --pagellm-args "--kv-cache-dtype bfloat16"
+    python benchmarks/peers.py --repeat 3 --concurrency 1 64 --request-rate 0 \
+        --max-prompts naive=16 --max-prompts llamacpp=32   # the figures docs/benchmarks.md quotes
+    python benchmarks/peers.py --report-only        # redo NAME.md and the plots
+    python benchmarks/peers.py --name kv-bf16 --repeat 3 --concurrency 1 64 \
+        --request-rate 0 --max-prompts naive=16 --pagellm-args "--kv-cache-dtype bfloat16"
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers_report import PAGELLM_ARGS_FILE, decode_log_name, save_peak, write_report
+from peers_report import (PAGELLM_ARGS_FILE, decode_log_name, machine_kind, save_peak,
+                          save_run_record, write_report)
 from serve_compare import RESULTS, bench, free_port, serving
 
 from pagellm.model.loader import default_model_path
@@ -165,10 +168,11 @@ def parse_args() -> argparse.Namespace:
                              "'--kv-cache-dtype bfloat16' (named in the report)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run every peer's sweep N times, in rounds; report medians")
-    parser.add_argument("--name", default="peers",
-                        help="results/NAME.md, results/NAME/ and results/NAME_*.png")
+    parser.add_argument("--name", default=machine_kind(),
+                        help="results/NAME.md, results/NAME/ and results/NAME_*.png (default: "
+                             "this machine's kind, e.g. cpu-amx: one set per kind, the latest)")
     parser.add_argument("--report-only", action="store_true",
-                        help="skip the runs; rebuild peers.md and the plots from saved JSON")
+                        help="skip the runs; rebuild NAME.md and the plots from saved JSON")
     return parser.parse_args()
 
 
@@ -183,6 +187,7 @@ def main() -> None:
         print(f"[{name}] skipped: {reason}", flush=True)
     if not args.report_only:
         (peer_dir / PAGELLM_ARGS_FILE).write_text(args.pagellm_args)
+        save_run_record(peer_dir, shlex.join(["python", "benchmarks/peers.py", *sys.argv[1:]]))
     for round_number in [] if args.report_only else range(1, args.repeat + 1):
         save_peak(peer_dir, round_number)
         for name in (name for name in args.peers if name not in skipped):

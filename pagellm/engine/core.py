@@ -11,11 +11,13 @@ from collections.abc import Iterable
 import torch
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagellm.core.block_map import block_map
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.offload import OffloadPool, SwapCostModel
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.input_processor import ModelInfo
+from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
@@ -24,6 +26,7 @@ from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
+BLOCK_MAP_INTERVAL_SECONDS = 1.0  # a map costs about a millisecond per 10k blocks
 
 
 class EngineCore:
@@ -32,11 +35,7 @@ class EngineCore:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
-        self.loaded: LoadedModel = load_model(model_config.model, self.dtype, device,
-                                              model_config.tokenizer,
-                                              model_config.gguf_quantized_max_tokens,
-                                              model_config.int8_activations(),
-                                              model_config.batch_invariant)
+        self.loaded: LoadedModel = self._load(model_config)
         weights_bytes = self.loaded.model.weight_bytes()
         logger.info("Model loading took %.4f GiB and %.6f seconds",
                     weights_bytes / _GIB, time.perf_counter() - start)
@@ -52,6 +51,8 @@ class EngineCore:
                                   device, self.dtype, model_config.seed, kv_cache_dtype,
                                   model_config.batch_invariant)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
+        logger.info("Allocating the KV cache: %s blocks of %s tokens", f"{self.num_blocks:,}",
+                    cache_config.block_size)
         self.runner.allocate_kv_cache(self.num_blocks)
         offload = self._make_offload_pool()
         measure = offload is not None and scheduler_config.preemption_mode == "auto"
@@ -59,6 +60,21 @@ class EngineCore:
         kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
+        self._block_map_time = float("-inf")
+
+    def _load(self, config: ModelConfig) -> LoadedModel:
+        """Load with a line before each long stage, so that a first start is never silent."""
+        if self.device.type == "cpu":
+            start = time.perf_counter()
+            logger.info("Preparing the CPU kernels (compiled once per machine, then cached)")
+            ready = cpu_kernels_available()
+            logger.info("CPU kernels %s in %.1f seconds", "ready" if ready else "unavailable",
+                        time.perf_counter() - start)
+        logger.info("Loading %s in %s", config.model or "the embedded model",
+                    dtype_name(self.dtype))
+        return load_model(config.model, self.dtype, self.device, config.tokenizer,
+                          config.gguf_quantized_max_tokens, config.int8_activations(),
+                          config.batch_invariant)
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config
@@ -133,7 +149,8 @@ class EngineCore:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(max_model_len=self.max_model_len, vocab_size=self.loaded.arch.vocab_size,
-                         eos_token_ids=list(self.loaded.eos_token_ids))
+                         eos_token_ids=list(self.loaded.eos_token_ids),
+                         num_kv_blocks=self.num_blocks)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -147,10 +164,22 @@ class EngineCore:
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.has_transfers:
-            return [], self.scheduler.make_stats()
+            return [], self.make_stats()
         runner_output = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, runner_output)
-        return updates, self.scheduler.make_stats()
+        return updates, self.make_stats()
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's record, with a map of the KV blocks once a second and whenever the
+        engine falls idle (so the last map shown is never one of a busy cache)."""
+        stats = self.scheduler.make_stats()
+        now = time.monotonic()
+        idle = not self.has_unfinished_requests()
+        if idle or now - self._block_map_time >= BLOCK_MAP_INTERVAL_SECONDS:
+            kv = self.scheduler.kv
+            stats.block_map = block_map(kv.pool, kv.offload)
+            self._block_map_time = now
+        return stats
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:

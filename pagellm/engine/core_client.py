@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from pagellm.logger import init_logger
 from pagellm.request import Request, RequestStatus
 
 logger = init_logger(__name__)
+_PROGRESS_SECONDS = 15.0
 
 
 @dataclass
@@ -96,7 +98,7 @@ def _step_loop(core, conn: Connection) -> None:
             updates, stats = core.step()
             conn.send(StepResult(updates, stats))
         elif changed:
-            conn.send(StepResult([], core.scheduler.make_stats()))
+            conn.send(StepResult([], core.make_stats()))
 
 
 def _handle(core, message: object) -> bool:
@@ -126,6 +128,9 @@ class EngineCoreClient:
         self._reader.start()
 
     def _wait_ready(self) -> CoreReady:
+        start = time.monotonic()
+        while self._process.is_alive() and not self._conn.poll(_PROGRESS_SECONDS):
+            logger.info("Still starting the engine (%.0f s so far)", time.monotonic() - start)
         try:
             message = self._conn.recv()
         except EOFError:

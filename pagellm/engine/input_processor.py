@@ -26,6 +26,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    num_kv_blocks: int = 0  # the first tier's, for the engine view's map before any step
 
 
 class InputProcessor:

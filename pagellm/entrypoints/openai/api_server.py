@@ -24,6 +24,8 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError, error_response,
                                                install_error_handlers)
+from pagellm.entrypoints.openai.frontend import (PUBLIC_PATHS, add_engine_stats, add_playground,
+                                                 ready_line)
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, DetokenizeResponse, ModelCard,
                                                  ModelList, TokenizeChatRequest,
@@ -52,12 +54,14 @@ class AppState:
 class APIKeyMiddleware:
     """Every route but the open ones needs `Authorization: Bearer <key>` (constant-time check)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS
+                 ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 response = error_response("Invalid or missing API key; send `Authorization: "
@@ -98,20 +102,24 @@ async def _respond(raw_request: Request,
 
 
 async def health(raw_request: Request) -> Response:
+    """200 while the engine runs, 503 once its process has died."""
     if _state(raw_request).engine.errored:
         return error_response(ENGINE_DEAD_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE)
     return Response(status_code=HTTPStatus.OK)
 
 
 async def version() -> JSONResponse:
+    """The pagellm version."""
     return JSONResponse({"version": __version__})
 
 
 async def metrics() -> Response:
+    """Prometheus text with vLLM's `vllm:` metric names."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
 async def list_models(raw_request: Request) -> ModelList:
+    """The served model names, with their context length."""
     state = _state(raw_request)
     root = state.settings.engine_args.model or state.settings.model_names[0]
     return ModelList(data=[ModelCard(id=name, root=root,
@@ -120,19 +128,23 @@ async def list_models(raw_request: Request) -> ModelList:
 
 
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    """OpenAI's text completions, streamed as Server-Sent Events with `stream: true`."""
     return await _respond(raw_request, _state(raw_request).completion.create_completion(request))
 
 
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    """OpenAI's chat completions, streamed as Server-Sent Events with `stream: true`."""
     return await _respond(raw_request, _state(raw_request).chat.create_chat_completion(request))
 
 
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    raw_request: Request) -> TokenizeResponse:
+    """A prompt or chat messages to token ids, as the completion routes would see them."""
     return _state(raw_request).tokenization.tokenize(request)
 
 
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    """Token ids to text."""
     return _state(raw_request).tokenization.detokenize(request)
 
 
@@ -152,9 +164,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                  OpenAIServingTokenization(*serving_args))
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])
+    add_engine_stats(app, engine)
+    if settings.frontend:
+        add_playground(app)
     install_error_handlers(app)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        open_paths = OPEN_PATHS | PUBLIC_PATHS if settings.frontend else OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     return app
 
 
@@ -181,6 +197,20 @@ def log_routes(app: FastAPI, settings: ServerSettings) -> None:
                         ", ".join(sorted(methods)))
 
 
+class _Server(uvicorn.Server):
+    """Says where to point a browser and an SDK once the socket accepts requests."""
+
+    def __init__(self, config: uvicorn.Config, settings: ServerSettings) -> None:
+        super().__init__(config)
+        self.settings = settings
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:
+            logger.info(ready_line(self.settings.host, self.settings.port,
+                                   self.settings.frontend))
+
+
 async def serve(settings: ServerSettings, sock: socket.socket) -> None:
     engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats)
     try:
@@ -189,7 +219,7 @@ async def serve(settings: ServerSettings, sock: socket.socket) -> None:
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level,
                                 timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_SECONDS)
-        await uvicorn.Server(config).serve(sockets=[sock])
+        await _Server(config, settings).serve(sockets=[sock])
     finally:
         engine.shutdown()
 

@@ -47,6 +47,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="do not log each received request")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="do not log the periodic engine stats line")
+    parser.add_argument("--disable-frontend", action="store_true",
+                        help="do not serve the web playground and engine view at /")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                         help="log level of uvicorn (access log at info)")
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
@@ -62,6 +64,7 @@ class ServerSettings:
     log_stats: bool
     uvicorn_log_level: str
     engine_args: EngineArgs
+    frontend: bool = True
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -77,4 +80,5 @@ class ServerSettings:
         return cls(host=args.host, port=args.port, model_names=names, api_key=api_key,
                    log_requests=not args.disable_log_requests,
                    log_stats=not args.disable_log_stats,
-                   uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args)
+                   uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args,
+                   frontend=not args.disable_frontend)
