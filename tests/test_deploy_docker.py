@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,10 +77,11 @@ class EntrypointServer(RemoteServer):
     """deploy/docker/entrypoint.sh with the container's args and env, as the kubelet runs it."""
 
     def __init__(self, args: list[str], env: dict[str, str], api_key: str) -> None:
+        # RemoteServer's own start runs `pagellm serve`; only the command differs here
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log = __import__("tempfile").NamedTemporaryFile("w+", suffix=".log")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-pod-", suffix=".log")
         args = [str(self.port) if previous == "--port" else word
                 for previous, word in zip([None, *args], args)]
         self.process = subprocess.Popen(["sh", str(DOCKER / "entrypoint.sh"), *args],

@@ -40,5 +40,5 @@ def test_validator_cli_fails_on_a_broken_manifest(tmp_path: Path) -> None:
                             capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT,
                             timeout=120)
     assert result.returncode == 1
-    assert "Deployment/smollm2: container 'pagellm'" in result.stdout
+    assert "Deployment/qwen: container 'pagellm'" in result.stdout
     assert "1 problems" in result.stderr
