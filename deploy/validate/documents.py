@@ -71,13 +71,13 @@ def _kserve_rule_errors(document: dict) -> list[str]:
 
 def metadata_errors(document: dict) -> list[str]:
     """CRDs leave `metadata` untyped; the API server still checks what is checked here."""
-    metadata = document.get("metadata", {})
+    metadata = document.get("metadata") or {}
     errors = [f"metadata.{key}: not an ObjectMeta field" for key in metadata
               if key not in _METADATA_KEYS]
     if not _DNS_LABEL.match(str(metadata.get("name", ""))):
         errors.append(f"metadata.name {metadata.get('name')!r} is not a DNS-1123 label")
     for key in ("labels", "annotations"):
-        if any(not isinstance(v, str) for v in metadata.get(key, {}).values()):
+        if any(not isinstance(v, str) for v in (metadata.get(key) or {}).values()):
             errors.append(f"metadata.{key}: values must be strings")
     return errors
 

@@ -69,7 +69,7 @@ def multinode_errors(service: dict) -> list[str]:
     if not uri.startswith(("pvc://", "oci://")):
         errors.append(f"multi-node storageUri must be pvc:// or oci://, got {uri!r}")
     for key in ("tensorParallelSize", "pipelineParallelSize"):
-        if worker.get(key, 1) < 1:
+        if isinstance(worker.get(key), int) and worker[key] < 1:
             errors.append(f"workerSpec.{key} must be at least 1")
     annotations = service.get("metadata", {}).get("annotations", {})
     if annotations.get(_AUTOSCALER_CLASS) != "none":
