@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import threading
 
 import torch
 
@@ -18,15 +20,17 @@ _FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 _HUGE_PAGE_BYTES = 2 << 20
 
 
-def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
+                        fault_in: bool = True) -> torch.Tensor:
     """A zeroed CPU tensor in fresh anonymous memory, 2 MiB-aligned, which Linux is asked to
     back with 2 MiB pages (MADV_HUGEPAGE): where transparent huge pages are `madvise`-only,
     a common default, a plain allocation gets 4 KiB pages. A KV cache is read a block at a
     time in random order, and with 4 KiB pages nearly every block costs a TLB miss:
     SmolLM2's decode attention at batch 64 over 30 layers took 19.0 ms with them and 16.4 ms
-    with 2 MiB pages (146.8 and 119.0 ms at 1000 tokens of context). The pages are written
-    now, as torch.zeros does: faulted in later, each would cost a decode step the zeroing of
-    2 MiB."""
+    with 2 MiB pages (146.8 and 119.0 ms at 1000 tokens of context). With `fault_in`, the
+    pages are written now, as torch.zeros does: faulted in later, each would cost a decode
+    step the zeroing of 2 MiB; without, fresh anonymous memory reads as zeros anyway, and
+    fault_in_background can do it off the start-up's path."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -34,7 +38,33 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
     if hasattr(mmap, "MADV_HUGEPAGE") and nbytes:
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-    return raw[offset:offset + nbytes].zero_().view(dtype).view(shape)
+    tensor = raw[offset:offset + nbytes]
+    return (tensor.zero_() if fault_in else tensor).view(dtype).view(shape)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, leaving their contents
+
+
+def fault_in_background(tensors: list[torch.Tensor]) -> None:
+    """Fault the pages of zeros_in_huge_pages(..., fault_in=False) tensors in from a thread,
+    so that a start-up does not wait for gigabytes of zeroing. MADV_POPULATE_WRITE never
+    changes what a page holds, so the engine may write into the tensors meanwhile. Where the
+    kernel lacks it, the pages are zeroed here instead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def populate(tensor: torch.Tensor) -> int:
+        size = tensor.numel() * tensor.element_size()
+        return libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(size),
+                            _MADV_POPULATE_WRITE)
+
+    if not tensors:
+        return
+    if populate(tensors[0]) != 0:
+        for tensor in tensors:
+            tensor.zero_()
+        return
+    threading.Thread(target=lambda: [populate(t) for t in tensors[1:]], daemon=True,
+                     name="kv-cache-fault-in").start()
 
 
 def default_device() -> torch.device:

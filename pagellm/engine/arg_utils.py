@@ -88,7 +88,7 @@ class EngineArgs:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
             raise ValueError("gguf_quantized_max_tokens must be at least 0, got "
                              f"{self.gguf_quantized_max_tokens}.")
-        if self.gguf_quantized_max_tokens is not None and self.batch_invariant:
+        if self.gguf_quantized_max_tokens and self.batch_invariant:
             raise ValueError("gguf_quantized_max_tokens chooses a form by step size, which "
                              "batch invariance rules out: set batch_invariant=False "
                              "(--no-batch-invariant) with it.")

@@ -26,7 +26,7 @@ from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
-from pagellm.platform import zeros_in_huge_pages
+from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 
 logger = init_logger(__name__)
@@ -76,12 +76,17 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly; on
-        CPU in 2 MiB pages, which spare decode attention a TLB miss per block."""
+        CPU in 2 MiB pages, which spare decode attention a TLB miss per block, faulted in by a
+        thread while the engine starts serving."""
         shape = self._cache_shape(num_blocks)
-        self.kv_caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype)
-                          if self.device.type == "cpu" else
-                          torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(self.arch.num_hidden_layers)]
+        layers = range(self.arch.num_hidden_layers)
+        if self.device.type != "cpu":
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                              for _ in layers]
+            return
+        self.kv_caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype, fault_in=False)
+                          for _ in layers]
+        fault_in_background(self.kv_caches)
 
     def allocate_offload_cache(self, num_blocks: int, path: str | None = None) -> None:
         """The second tier, laid out per layer like the first: in host memory (pinned when the
