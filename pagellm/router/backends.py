@@ -150,9 +150,9 @@ class BackendPool:
             backend.record_success()
 
     async def _loop(self) -> None:
-        while True:
-            await self.probe_once()
+        while True:   # the first probe ran before the server took requests
             await asyncio.sleep(self.config.probe_interval_s)
+            await self.probe_once()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
