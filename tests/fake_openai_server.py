@@ -77,11 +77,11 @@ class _BrokenStream(Exception):
 
 
 class FakeOpenAIServer:
-    def __init__(self, model_id: str = MODEL_ID) -> None:
+    def __init__(self, model_id: str = MODEL_ID, port: int | None = None) -> None:
         self.model_id = model_id
         self.tokenizer = WordTokenizer()
         self.state = FakeState()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="off")
@@ -225,3 +225,20 @@ def _text_chunk(text: str) -> dict[str, Any]:
 def _chat_chunk(delta: dict[str, str]) -> dict[str, Any]:
     return {"object": "chat.completion.chunk", "model": MODEL_ID,
             "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def main() -> None:
+    """`python tests/fake_openai_server.py --port P`: serve until interrupted (benchmarks)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--chunk-delay-s", type=float, default=0.02)
+    args = parser.parse_args()
+    server = FakeOpenAIServer(port=args.port)
+    server.reset(chunk_delay_s=args.chunk_delay_s)
+    server.server.run()
+
+
+if __name__ == "__main__":
+    main()

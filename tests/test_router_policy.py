@@ -32,6 +32,7 @@ NOT_FOUND = [
     "order 2024-11-05, ticket 12345, version 3.14.159",
     "the price is 1234567 units",
     "email me at nobody@localhost",
+    "meeting at 10:30 on 05/11/2024, call 2024.11.05",
 ]
 
 
