@@ -6,7 +6,7 @@ the same on both paths and the difference is the router's: parsing, the privacy 
 choosing a replica (with a `/tokenize` round trip under the prefix policy), the upstream
 connection and relaying each chunk. Each path is measured with `pagellm bench serve`:
 
-    python benchmarks/router_overhead.py --concurrency 1,64 --num-prompts 256
+    python benchmarks/router_overhead.py --concurrency 1,64
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
                "--backend", "openai-chat", "--base-url", url, "--model", "fake-model",
                "--random-input-len", str(args.input_len), "--random-output-len",
-               str(args.output_len), "--num-prompts", str(args.num_prompts),
+               str(args.output_len), "--num-prompts",
+               str(max(16, args.prompts_per_stream * concurrency)),
                "--max-concurrency", str(concurrency), "--metric-percentiles", "50,99",
                "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(folder),
                "--result-filename", name]
@@ -59,7 +60,8 @@ def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,64")
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prompts-per-stream", type=int, default=4,
+                        help="requests per concurrent stream (at least 16 in all)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--chunk-delay-s", type=float, default=0.02)
@@ -86,7 +88,8 @@ def main() -> None:
 
 def _report(args: argparse.Namespace, backend_url: str, router_url: str, folder: Path) -> None:
     print(f"router overhead: fake backend at {args.chunk_delay_s * 1000:.0f} ms/token, "
-          f"{args.input_len} in / {args.output_len} out, {args.num_prompts} prompts, "
+          f"{args.input_len} in / {args.output_len} out, {args.prompts_per_stream} requests "
+          f"per stream, "
           f"routing {args.routing_logic}, {os.cpu_count()} CPUs")
     print(f"{'streams':>7} {'path':>7} " + " ".join(f"{m:>15}" for m in METRICS))
     for concurrency in (int(c) for c in args.concurrency.split(",")):
