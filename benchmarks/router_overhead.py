@@ -29,6 +29,12 @@ from server_utils import cli_env, free_port  # noqa: E402
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _start(command: list[str], url: str) -> subprocess.Popen:
     process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
@@ -79,25 +85,30 @@ def main() -> None:
                                  "--routing-logic", args.routing_logic,
                                  "--port", str(router_port)], router_url))
         with tempfile.TemporaryDirectory() as folder:
-            _report(args, backend_url, router_url, Path(folder))
+            _report(args, backend_url, router_url, Path(folder), processes[1].pid)
     finally:
         for process in processes:
             process.terminate()
             process.wait(timeout=20)
 
 
-def _report(args: argparse.Namespace, backend_url: str, router_url: str, folder: Path) -> None:
+def _report(args: argparse.Namespace, backend_url: str, router_url: str, folder: Path,
+            router_pid: int) -> None:
     print(f"router overhead: fake backend at {args.chunk_delay_s * 1000:.0f} ms/token, "
           f"{args.input_len} in / {args.output_len} out, {args.prompts_per_stream} requests "
           f"per stream, "
           f"routing {args.routing_logic}, {os.cpu_count()} CPUs")
-    print(f"{'streams':>7} {'path':>7} " + " ".join(f"{m:>15}" for m in METRICS))
+    print(f"{'streams':>7} {'path':>7} " + " ".join(f"{m:>15}" for m in METRICS) +
+          f" {'router CPU ms/request':>22}")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         direct = _bench(backend_url, concurrency, args, folder)
+        cpu_before = _cpu_seconds(router_pid)
         routed = _bench(router_url, concurrency, args, folder)
+        cpu_ms = (_cpu_seconds(router_pid) - cpu_before) * 1000 / routed["completed"]
         for label, result in (("direct", direct), ("router", routed)):
             print(f"{concurrency:>7} {label:>7} " +
-                  " ".join(f"{result[m]:>15.2f}" for m in METRICS))
+                  " ".join(f"{result[m]:>15.2f}" for m in METRICS) +
+                  (f" {cpu_ms:>22.2f}" if result is routed else ""))
         print(f"{concurrency:>7} {'added':>7} " +
               " ".join(f"{routed[m] - direct[m]:>15.2f}" for m in METRICS))
 

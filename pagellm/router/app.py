@@ -2,8 +2,9 @@
 
 A request's path: parse the body -> `Policy.decide` (privacy check, the model's rules,
 fallbacks) -> `Proxy.forward` (balancer picks a replica, retries, falls back) ->
-`RelayResponse` (the backend's answer streamed through as it arrives). One pooled
-`httpx.AsyncClient` carries every upstream call, probes included.
+`RelayResponse` (the backend's answer streamed through as it arrives). Pooled
+`httpx.AsyncClient`s carry every upstream call: one for generation, one for probes and
+`/tokenize`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagellm.entrypoints.openai.errors import (OpenAIError, error_response,
-                                               install_error_handlers)
 from pagellm.logger import init_logger
 from pagellm.router.backends import BackendPool
 from pagellm.router.balancing import Balancer
 from pagellm.router.config import RouterConfig
+from pagellm.router.errors import RouterError, error_response, install_error_handlers
 from pagellm.router.metrics import RouterMetrics
 from pagellm.router.policy import Policy, RouteDecision
 from pagellm.router.proxy import ROUTE_HEADER, Proxy
@@ -42,7 +42,8 @@ FORWARDED = {"/v1/chat/completions": "/chat/completions", "/v1/completions": "/c
 @dataclass
 class RouterState:
     config: RouterConfig
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient      # generation requests
+    control: httpx.AsyncClient     # probes and /tokenize
     pool: BackendPool
     balancer: Balancer
     metrics: RouterMetrics
@@ -55,16 +56,19 @@ def _state(request: Request) -> RouterState:
 
 
 def build_state(config: RouterConfig) -> RouterState:
+    # Two pools: httpx scans every pooled connection on each request, so the short control
+    # calls are kept off the pool that holds one connection per open stream.
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=512)
     timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(limits=limits, timeout=timeout)
-    pool = BackendPool(config, client)
+    control = httpx.AsyncClient(timeout=config.connect_timeout_s)
+    pool = BackendPool(config, control)
     for backend in pool.all():
         backend.config.api_key()   # a missing key fails at start-up, not on the first call
-    balancer = Balancer(pool, client)
+    balancer = Balancer(pool, control)
     metrics = RouterMetrics(pool)
     policy = Policy(config, balancer.count_tokens)
-    return RouterState(config, client, pool, balancer, metrics, policy,
+    return RouterState(config, client, control, pool, balancer, metrics, policy,
                        Proxy(pool, balancer, metrics, client))
 
 
@@ -91,9 +95,9 @@ async def _body(request: Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise OpenAIError("Request body is not valid JSON.") from None
+        raise RouterError("Request body is not valid JSON.") from None
     if not isinstance(body, dict):
-        raise OpenAIError("Request body must be a JSON object.")
+        raise RouterError("Request body must be a JSON object.")
     return body
 
 
@@ -107,7 +111,7 @@ async def _decide(state: RouterState, body: dict, headers: dict[str, str]) -> Ro
     public = state.config.public_models
     model = body.get("model", public[0])
     if model not in public:
-        raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND,
+        raise RouterError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND,
                           "model")
     info = state.policy.request_info({**body, "model": model}, headers)
     decision = await state.policy.decide(info)
@@ -137,7 +141,7 @@ async def forward(request: Request) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
     try:
         return work.result()
-    except OpenAIError as error:
+    except RouterError as error:
         response = error_response(error.message, error.status, error.param)
         response.headers[ROUTE_HEADER] = decision.header
         return response
@@ -155,6 +159,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         finally:
             await state.pool.stop()
             await state.client.aclose()
+            await state.control.aclose()
 
     app = FastAPI(title="pagellm router", lifespan=lifespan)
     app.state.router = state
