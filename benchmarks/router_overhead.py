@@ -97,7 +97,8 @@ def _report(args: argparse.Namespace, backend_url: str, router_url: str, folder:
     print(f"router overhead: fake backend at {args.chunk_delay_s * 1000:.0f} ms/token, "
           f"{args.input_len} in / {args.output_len} out, {args.prompts_per_stream} requests "
           f"per stream, "
-          f"routing {args.routing_logic}, {os.cpu_count()} CPUs")
+          f"routing {args.routing_logic}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start")
     print(f"{'streams':>7} {'path':>7} " + " ".join(f"{m:>15}" for m in METRICS) +
           f" {'router CPU ms/request':>22}")
     for concurrency in (int(c) for c in args.concurrency.split(",")):

@@ -327,6 +327,22 @@ def test_client_disconnect_aborts_upstream(a: FakeOpenAIServer, b: FakeOpenAISer
     assert a.state.active == b.state.active == 0
 
 
+def test_client_leaving_before_the_first_chunk_cancels_the_attempt(
+        a: FakeOpenAIServer, b: FakeOpenAIServer, ext: FakeOpenAIServer) -> None:
+    a.reset(first_chunk_delay_s=60)
+    b.reset(first_chunk_delay_s=60)
+    with RouterServer(gateway_config(a, b, ext)) as router:
+        with pytest.raises(openai.APITimeoutError):
+            router.client(timeout=0.5).chat.completions.create(
+                model="local", max_tokens=2, stream=True,
+                messages=[{"role": "user", "content": "hi"}])
+        # the router gave the attempt up with its client, long before the backend answers
+        wait_for(lambda: all(bk.in_flight == 0 for bk in router.state.pool.all()),
+                 "the upstream attempt to be cancelled", timeout=20)
+        assert len(a.state.bodies) + len(b.state.bodies) == 1
+        assert all(bk.healthy for bk in router.state.pool.all())   # not the backend's fault
+
+
 def test_replica_dying_mid_stream_ends_the_stream_with_an_error(
         a: FakeOpenAIServer, b: FakeOpenAIServer, ext: FakeOpenAIServer) -> None:
     a.reset(break_after_chunks=3)
