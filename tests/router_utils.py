@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -11,6 +12,7 @@ import openai
 import uvicorn
 
 from pagellm.router.app import RouterState, build_app
+from pagellm.router.backends import Backend
 from pagellm.router.config import config_from_dict
 from server_utils import free_port
 
@@ -47,14 +49,15 @@ class RouterServer:
         kwargs.setdefault("api_key", "EMPTY")
         return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, **kwargs)
 
-    def backend(self, url: str):  # noqa: ANN201 - the router's live Backend for a fake's URL
+    def backend(self, url: str) -> Backend:
+        """The router's live state of the backend at this root URL."""
         return next(b for b in self.state.pool.all() if b.config.root == url)
 
     def metrics_text(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5).text
 
 
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:  # noqa: ANN001
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     """Poll until `predicate()` holds; fail (not hang) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not predicate():

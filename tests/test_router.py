@@ -7,16 +7,17 @@ in the external fake's log, whatever fails.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from fake_openai_server import FakeOpenAIServer
+from fake_openai_server import FakeOpenAIServer, FakeState
 from router_utils import RouterServer, wait_for
 
 EXTERNAL_KEY = "sk-external-secret-123"
@@ -278,12 +279,13 @@ class GatedFake(FakeOpenAIServer):
         self.gate = threading.Event()
         self.open_chunks = open_chunks
 
-    async def _stream(self, state, body, chat, count):  # noqa: ANN001, ANN202
+    async def _stream(self, state: FakeState, body: dict[str, Any], chat: bool,
+                      count: int) -> AsyncIterator[str]:
         sent = 0
         async for event in super()._stream(state, body, chat, count):
             if sent == self.open_chunks:
                 while not self.gate.is_set():
-                    await __import__("asyncio").sleep(0.01)
+                    await asyncio.sleep(0.01)
             sent += 1
             yield event
 

@@ -20,12 +20,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from pagellm.logger import init_logger
 from pagellm.router.backends import BackendPool
 from pagellm.router.balancing import Balancer
 from pagellm.router.config import RouterConfig
-from pagellm.router.errors import RouterError, error_response, install_error_handlers
+from pagellm.router.errors import error_response, install_error_handlers, router_error
 from pagellm.router.metrics import RouterMetrics
 from pagellm.router.policy import Policy, RouteDecision
 from pagellm.router.proxy import ROUTE_HEADER, Proxy
@@ -95,9 +96,9 @@ async def _body(request: Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise RouterError("Request body is not valid JSON.") from None
+        raise router_error("Request body is not valid JSON.") from None
     if not isinstance(body, dict):
-        raise RouterError("Request body must be a JSON object.")
+        raise router_error("Request body must be a JSON object.")
     return body
 
 
@@ -111,8 +112,7 @@ async def _decide(state: RouterState, body: dict, headers: dict[str, str]) -> Ro
     public = state.config.public_models
     model = body.get("model", public[0])
     if model not in public:
-        raise RouterError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND,
-                          "model")
+        raise router_error(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND)
     info = state.policy.request_info({**body, "model": model}, headers)
     decision = await state.policy.decide(info)
     state.metrics.decisions.labels(model, decision.rule, decision.groups[0] if
@@ -141,8 +141,8 @@ async def forward(request: Request) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
     try:
         return work.result()
-    except RouterError as error:
-        response = error_response(error.message, error.status, error.param)
+    except HTTPException as error:
+        response = error_response(str(error.detail), HTTPStatus(error.status_code))
         response.headers[ROUTE_HEADER] = decision.header
         return response
 

@@ -10,7 +10,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.exceptions import HTTPException
 
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.logger import init_logger
@@ -23,28 +23,19 @@ _TYPES = {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.NOT_FOUND: "NotF
           HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError"}
 
 
-class RouterError(Exception):
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
+def router_error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> HTTPException:
+    """What the router raises for a request it answers itself."""
+    return HTTPException(int(status), detail=message)
 
 
-def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
-    info = ErrorInfo(message=message, type=_TYPES.get(status, "APIError"), param=param,
-                     code=int(status))
+def error_response(message: str, status: HTTPStatus) -> JSONResponse:
+    info = ErrorInfo(message=message, type=_TYPES.get(status, "APIError"), code=int(status))
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=int(status))
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RouterError)
-    async def router_error(_: Request, error: RouterError) -> JSONResponse:
-        return error_response(error.message, error.status, error.param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
         return error_response(str(error.detail), HTTPStatus(error.status_code))
 
     @app.exception_handler(Exception)

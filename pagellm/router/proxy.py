@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pagellm.logger import init_logger
 from pagellm.router.backends import Backend, BackendPool
 from pagellm.router.balancing import Affinity, Balancer
-from pagellm.router.errors import RouterError
+from pagellm.router.errors import router_error
 from pagellm.router.metrics import RouterMetrics
 from pagellm.router.policy import RouteDecision
 from pagellm.router.relay import RelayResponse
@@ -92,7 +92,7 @@ class Proxy:
         else:
             self.metrics.rejected.labels("no_backend").inc()
             message = "No backend could serve this request; try again later."
-        raise RouterError(message, HTTPStatus.SERVICE_UNAVAILABLE)
+        raise router_error(message, HTTPStatus.SERVICE_UNAVAILABLE)
 
     def _request(self, backend: Backend, path: str, body: dict[str, Any]) -> httpx.Request:
         headers = {"content-type": "application/json", "accept": "application/json, "
