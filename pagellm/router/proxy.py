@@ -142,7 +142,7 @@ class Proxy:
             self.metrics.responses.labels(backend.name, str(response.status_code)).inc()
             if response.status_code < 400:
                 backend.record_success()
-            self._record_prefix(group, backend, affinity)
+                self._record_prefix(group, backend, affinity)
 
             def done(outcome: str) -> None:
                 self.balancer.finished(backend)
