@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from server_utils import run_cli
 
 from pagellm.router.config import PrivacyConfig, config_from_dict, load_config
@@ -114,3 +115,17 @@ def test_cli_errors_are_one_line() -> None:
                                      "one --backend URL")
     missing = run_cli("router", "--config", "/nonexistent/router.yaml", timeout=60)
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
+
+
+def test_the_documented_config_loads(tmp_path: Path) -> None:
+    """docs/router.md's example is a working configuration."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "router.md").read_text()
+    example = text.split("```yaml\n# router.yaml\n", 1)[1].split("```", 1)[0]
+    names = tmp_path / "customers.txt"
+    names.write_text("John Roe\n")
+    config = config_from_dict(yaml.safe_load(
+        example.replace("/etc/pagellm/customers.txt", str(names))))
+    assert config.public_models == ["assistant", "local", "mistral"]
+    assert config.privacy.local_group == "local" and not config.groups["mistral"].local
+    assert [rule.target for rule in config.models["assistant"].rules] == ["mistral", "mistral"]
+    assert config.privacy.customer_names == ["Jane Doe", "John Roe"]
