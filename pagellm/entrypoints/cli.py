@@ -10,6 +10,7 @@ from pagellm.benchmarks import fidelity, throughput
 from pagellm.benchmarks import serve as serve_benchmark
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
+from pagellm.router import cli as router_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,11 +28,16 @@ def _serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagellm", description="Serve and benchmark LLMs with a paged KV cache.")
-    verbs = parser.add_subparsers(dest="verb", metavar="{serve,chat,bench}", parser_class=_Parser)
+    verbs = parser.add_subparsers(dest="verb", metavar="{serve,router,chat,bench}", parser_class=_Parser)
     serve = verbs.add_parser("serve", help="start the OpenAI-compatible API server",
                              description="Start the OpenAI-compatible API server.")
     add_serve_args(serve)
     serve.set_defaults(handler=_serve)
+    router = verbs.add_parser("router", help="route requests across replicas and providers",
+                              description="An OpenAI-compatible router: balances replicas by "
+                                          "load and prefix, keeps customer data local.")
+    router_cli.add_router_args(router)
+    router.set_defaults(handler=router_cli.run)
     chat = verbs.add_parser("chat", help="chat in the terminal, with a server or in-process",
                             description="Chat in the terminal: replies stream as they are "
                                         "generated, one user message per stdin line.")
