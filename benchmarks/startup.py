@@ -1,0 +1,69 @@
+"""Seconds from `pagellm serve` to a healthy `/health`: a first start on a fresh machine
+(empty kernel and pagellm caches: the kernels compile and the GGUF is prepared) and
+restarts (both caches warm).
+
+    python benchmarks/startup.py                   # first start, then 3 restarts
+    python benchmarks/startup.py --restarts 5 -- --kv-cache-dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seconds_to_health(env: dict[str, str], serve_args: list[str], timeout: float = 900) -> float:
+    port = free_port()
+    start = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+                               "--port", str(port), *serve_args], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.perf_counter() - start < timeout:
+            if server.poll() is not None:
+                raise SystemExit(f"pagellm serve exited with {server.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise SystemExit(f"no healthy /health within {timeout} s")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument("--no-first-start", action="store_true",
+                        help="only restarts, with the caches as they are")
+    parser.add_argument("serve_args", nargs="*", help="after --: flags for pagellm serve")
+    args = parser.parse_args()
+    env = dict(os.environ)
+    if not args.no_first_start:
+        fresh = tempfile.mkdtemp(prefix="pagellm-startup-")
+        env["PAGELLM_CACHE_DIR"] = os.path.join(fresh, "pagellm")
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(fresh, "torch_extensions")
+        print(f"first start (kernels compiled, GGUF prepared): "
+              f"{seconds_to_health(env, args.serve_args):.1f} s", flush=True)
+    for i in range(args.restarts):
+        print(f"restart {i + 1}: {seconds_to_health(env, args.serve_args):.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
