@@ -133,7 +133,7 @@ def engine_answers(model: str | None, arguments: dict[str, Any], messages: list[
     """One variant's greedy answers, all prompts in one batch after a warm-up."""
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(model, **{"kv_cache_memory": 256 << 20, **arguments})
+    llm = LLM(model, **{"kv_cache_memory": 256 << 20, "max_model_len": 2048, **arguments})
     prompts = [llm.engine.apply_chat_template([{"role": "user", "content": m}])
                for m in messages]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
