@@ -10,6 +10,7 @@ from pagellm.benchmarks import serve as serve_benchmark
 from pagellm.benchmarks import throughput
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
+from pagellm.model.errors import ModelLoadError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         handler(args)
+    except ModelLoadError as error:  # a model file that cannot be used: exit 2, as for a bad flag
+        print(f"pagellm: error: {error}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as error:
         print(f"pagellm: error: {error}", file=sys.stderr)
         return 1
