@@ -134,7 +134,7 @@ def _kv_cache_report(scheduler) -> KVCacheReport:
         problem = None
     except AssertionError as error:
         problem = str(error) or "the block pool's integrity check failed"
-    return KVCacheReport(pool.num_blocks, pool.num_used_blocks(), len(scheduler.requests),
+    return KVCacheReport(pool.num_blocks, pool.num_used_blocks, len(scheduler.requests),
                          problem)
 
 

@@ -116,7 +116,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         message = str(problem.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{location or 'body'}: {message}")
     first = problems[0].get("loc", ()) if problems else ()
-    param = next((str(part) for part in first if part != "body"), None)
+    param = next((str(part) for part in first  # past a union's branch tag (`x[...]`)
+                  if part != "body" and "[" not in str(part)), None)
     return "; ".join(parts) or "Invalid request body.", param
 
 
