@@ -58,20 +58,24 @@ class Drain:
     async def until_cut(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """A stream's events, ended by an error event and [DONE] if the drain cuts it."""
         cut = asyncio.ensure_future(self.cut.wait())
+        step: asyncio.Future[str] | None = None
         try:
             while True:
                 step = asyncio.ensure_future(anext(events))
                 await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    step.cancel()
-                    await asyncio.gather(step, return_exceptions=True)
                     break
                 try:
-                    yield step.result()
+                    event = step.result()
                 except StopAsyncIteration:
                     return
-        finally:
+                step = None
+                yield event
+        finally:  # cut, finished, or the client left (this generator is closed)
             cut.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
             await events.aclose()  # aborts the engine requests behind the stream
         yield stream_error_event(OpenAIError(SHUTDOWN_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE))
         yield "data: [DONE]\n\n"
