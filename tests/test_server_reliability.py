@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import hypothesis
 import pytest
+import schemathesis
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import status_code_conformance
 
 from server_utils import RemoteServer, assert_clean_shutdown
 from test_server_errors import assert_error
@@ -257,3 +261,23 @@ def test_locked_down_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
             httpx.get(f"http://127.0.0.1:{remote.port}/health", timeout=5)
     finally:
         assert_clean_shutdown(remote.stop())
+
+
+@pytest.fixture
+def api_schema(server: RemoteServer) -> schemathesis.BaseSchema:
+    """The server's own OpenAPI document, for schemathesis to generate requests from."""
+    document = httpx.get(f"{server.url}/openapi.json", headers=server.headers()).json()
+    return schemathesis.openapi.from_dict(document)
+
+
+fuzzed = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzzed.parametrize()
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+def test_openapi_fuzzing_finds_no_server_error(case: schemathesis.Case,
+                                               server: RemoteServer) -> None:
+    """Generated bodies, valid and not: never a 5xx, and only statuses the schema lists."""
+    case.call_and_validate(base_url=server.url, headers=server.headers(),
+                           checks=[not_a_server_error, status_code_conformance])
