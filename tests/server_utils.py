@@ -118,6 +118,16 @@ class RemoteServer:
         return output
 
 
+def engine_core_pid(server_pid: int) -> int:
+    """The server's spawned child whose command line is a multiprocessing spawn."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for child in map(int, children):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return child
+    raise AssertionError(f"no engine core process among {children}")
+
+
 def assert_clean_shutdown(output: str) -> None:
     """No traceback in a server's log: client mistakes must not reach the error path."""
     assert "Traceback" not in output, output[-6000:]

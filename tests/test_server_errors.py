@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import RemoteServer, assert_clean_shutdown
+from server_utils import RemoteServer, assert_clean_shutdown, engine_core_pid
 
 API_KEY = "sk-test-123"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
@@ -160,16 +160,6 @@ def test_server_still_serves_after_errors(server: RemoteServer) -> None:
     assert response.usage.completion_tokens <= 3
 
 
-def _engine_core_pid(server_pid: int) -> int:
-    """The server's spawned child whose command line is a multiprocessing spawn."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for child in map(int, children):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return child
-    raise AssertionError(f"no engine core process among {children}")
-
-
 def test_engine_death_ends_streams_and_exits_non_zero(server: RemoteServer) -> None:
     """In-flight streams get a 503 event and [DONE] at once; then the server exits with a
     non-zero code, so that a supervisor restarts it."""
@@ -178,7 +168,7 @@ def test_engine_death_ends_streams_and_exits_non_zero(server: RemoteServer) -> N
                       headers=server.headers(), timeout=30) as response:
         lines = (line for line in response.iter_lines() if line)
         next(lines)
-        os.kill(_engine_core_pid(server.process.pid), signal.SIGKILL)
+        os.kill(engine_core_pid(server.process.pid), signal.SIGKILL)
         events = list(lines)
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])["error"]

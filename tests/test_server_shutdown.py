@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import httpx
-from server_utils import RemoteServer, assert_clean_shutdown
-from test_server_errors import _engine_core_pid, assert_error
+from server_utils import RemoteServer, assert_clean_shutdown, engine_core_pid
+from test_server_errors import assert_error
 from test_server_reliability import COMPLETION, hold_requests
 
 
@@ -26,7 +26,7 @@ def _stopped_cleanly(remote: RemoteServer, core_pid: int) -> None:
 def test_sigterm_lets_requests_in_flight_finish(tiny_llama_dir: Path) -> None:
     remote = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny",
                           "--max-concurrent-requests", "1")
-    core_pid = _engine_core_pid(remote.process.pid)
+    core_pid = engine_core_pid(remote.process.pid)
     [held] = hold_requests(remote, limit=1)
     remote.process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
@@ -45,7 +45,7 @@ def test_sigterm_ends_streams_past_the_timeout_with_an_error_and_done(
         tiny_llama_dir: Path) -> None:
     remote = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny",
                           "--shutdown-timeout", "0")
-    core_pid = _engine_core_pid(remote.process.pid)
+    core_pid = engine_core_pid(remote.process.pid)
     body = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{remote.url}/v1/completions", json=body, timeout=60) as response:
         lines = (line for line in response.iter_lines() if line)

@@ -44,6 +44,7 @@ class SoakConfig:
     seed: int = 0
     model: str | None = None
     api_key: str | None = None
+    max_seconds: float | None = None  # stop sending new requests after this long
 
 
 @dataclass
@@ -55,6 +56,10 @@ class SoakResult:
     statuses: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     kv_cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> int:
+        return self.valid_ok + self.disconnected + self.malformed_rejected + len(self.failures)
 
 
 def _prompt(rng: random.Random, words: int) -> str:
@@ -171,15 +176,17 @@ async def run_soak(base_url: str, config: SoakConfig) -> SoakResult:
         for seed in seeds:
             queue.put_nowait(seed)
 
+        start = time.perf_counter()
+        stop_at = start + config.max_seconds if config.max_seconds else float("inf")
+
         async def worker() -> None:
-            while not queue.empty():
+            while not queue.empty() and time.perf_counter() < stop_at:
                 seed = queue.get_nowait()
                 try:
                     await _one(client, random.Random(seed), config, result)
                 except httpx.HTTPError as error:
                     result.failures.append(f"{type(error).__name__}: {error}")
 
-        start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(config.concurrency)))
         result.seconds = time.perf_counter() - start
         result.kv_cache = await kv_cache_when_idle(client)
