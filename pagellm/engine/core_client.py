@@ -10,6 +10,7 @@ token updates and scheduler stats out.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -81,7 +82,11 @@ class _Shutdown:
 
 
 def run_engine_core(conn: Connection, args: EngineArgs) -> None:
-    """Entry point of the core process: build the engine, then step while there is work."""
+    """Entry point of the core process: build the engine, then step while there is work.
+
+    Ctrl-C reaches the whole process group; only the server acts on it (it drains, then
+    stops this process through the pipe), so that it is not taken for an engine death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pagellm.engine.core import EngineCore
     from pagellm.engine.llm_engine import resolve_device
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -65,6 +66,7 @@ _worker_tokenizer: Any = None
 
 def _init_worker(pickled_tokenizer: bytes) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     _worker_tokenizer = pickle.loads(pickled_tokenizer)
 
 
