@@ -50,8 +50,9 @@ async def soak_with_memory(remote: RemoteServer, config: SoakConfig,
     start = time.perf_counter()
     while not task.done():
         samples.append((time.perf_counter() - start, finished_requests(remote),
-                        rss_mib(remote.process.pid),
-                        rss_mib(core)))
+                        rss_mib(remote.process.pid), rss_mib(core)))
+        print("sample (seconds, finished engine requests, server RSS MiB, core RSS MiB): "
+              + ", ".join(f"{value:.0f}" for value in samples[-1]), flush=True)
         await asyncio.wait({task}, timeout=every)
     return task.result(), samples
 
