@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -46,9 +47,13 @@ class RemoteServer:
     """`pagellm serve MODEL --port P ...` in a subprocess, ready once /health answers 200."""
 
     def __init__(self, model: Path, *extra_args: str, api_key: str | None = None,
-                 startup_timeout: float = 120) -> None:
+                 startup_timeout: float = 120, tls_cert: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`tls_cert`: the server's self-signed certificate, when it serves https."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=str(tls_cert)) if tls_cert else True)
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-serve-", suffix=".log")
         command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model),
@@ -56,7 +61,7 @@ class RemoteServer:
         if api_key is not None:
             command += ["--api-key", api_key]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env=cli_env(), cwd=REPO_ROOT)
+                                        env={**cli_env(), **(env or {})}, cwd=REPO_ROOT)
         self._wait_healthy(startup_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -66,7 +71,8 @@ class RemoteServer:
                 code = self.process.returncode
                 raise RuntimeError(f"server exited with {code}:\n{self.output()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -110,6 +116,16 @@ class RemoteServer:
         output = self.output()
         self.log.close()
         return output
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The server's spawned child whose command line is a multiprocessing spawn."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for child in map(int, children):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return child
+    raise AssertionError(f"no engine core process among {children}")
 
 
 def assert_clean_shutdown(output: str) -> None:

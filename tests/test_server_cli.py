@@ -97,3 +97,25 @@ def test_chat_in_process(tiny_llama_dir: Path) -> None:
                      env={"PAGELLM_LOGGING_LEVEL": "WARNING"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n") >= 2 and result.stdout.strip()
+
+
+def test_api_key_sources_and_security_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("PAGELLM_API_KEY", "from-env")
+    parse = build_parser().parse_args
+    assert ServerSettings.from_args(parse(["serve", "m"])).api_key == "from-env"
+    settings = ServerSettings.from_args(parse([
+        "serve", "m", "--api-key-file", str(key_file), "--allowed-origins", '["https://a.b"]',
+        "--max-concurrent-requests", "8", "--shutdown-timeout", "5"]))
+    assert settings.api_key == "from-file" and "from-file" not in repr(settings)
+    assert settings.cors is not None and settings.cors.allowed_origins == ["https://a.b"]
+    assert settings.limits.max_concurrent_requests == 8 and settings.limits.shutdown_timeout == 5
+    assert ServerSettings.from_args(parse(["serve", "m"])).cors is None
+    code, err = one_line_error(["serve", "m", "--api-key-file", str(tmp_path / "none")], capsys)
+    assert code == 1 and "--api-key-file" in err and "No such file" in err
+    code, err = one_line_error(["serve", "m", "--allowed-origins", "*"], capsys)
+    assert code == 2 and "JSON list" in err
+    code, err = one_line_error(["serve", "m", "--ssl-keyfile", "k.pem"], capsys)
+    assert code == 1 and "--ssl-certfile" in err

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import EngineCoreClient, StepResult
+from pagellm.engine.core_client import EngineCoreClient, KVCacheReport, StepResult
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.tokenizer_pool import TokenizerPool
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import (LOG_INTERVAL_SECONDS, LoggingStatLogger,
                                      PrometheusStatLogger, StatLogger)
@@ -25,6 +27,10 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """Processing one request's output failed; it was logged (with its traceback) here."""
 
 
 class AsyncLLM:
@@ -42,6 +48,8 @@ class AsyncLLM:
         self.chat_template = load_chat_template(args.chat_template) or ready.chat_template
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.tokenizer_pool = TokenizerPool(self.tokenizer)
+        self._death_callbacks: list[Callable[[], None]] = []
         self.model_name = args.served_model_name or args.model or self.model_path.name
         self.stat_loggers: list[StatLogger] = []
         if log_stats:
@@ -61,6 +69,31 @@ class AsyncLLM:
                             add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, chat_template or self.chat_template,
                                    add_generation_prompt, **kwargs)
+
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     limit: int | None = None) -> list[int]:
+        """Off the event loop for large texts; PromptTooLong past `limit` tokens."""
+        return await self.tokenizer_pool.encode(text, add_special_tokens, limit)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          limit: int | None = None, **template_kwargs: Any) -> list[int]:
+        """`apply_chat_template` off the event loop for large conversations."""
+        return await self.tokenizer_pool.render_chat(messages, self.chat_template,
+                                                     add_generation_prompt, template_kwargs, limit)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.tokenizer_pool.decode(token_ids)
+
+    async def check_kv_cache(self) -> KVCacheReport:
+        """Block usage and the block pool's integrity check, from the core between steps."""
+        if self._dead:
+            raise EngineDeadError("the engine core process is not running.")
+        return await asyncio.wrap_future(self.client.check_kv_cache())
+
+    def on_death(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the event loop once the engine core dies (after failing requests)."""
+        self._bind_loop()
+        self._death_callbacks.append(callback)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -118,8 +151,17 @@ class AsyncLLM:
 
     def _process_result(self, result: StepResult) -> None:
         iteration = IterationStats()
-        outputs, stopped = self.output_processor.process(result.updates, iteration)
+        failed: dict[str, Exception] = {}
+        outputs, stopped = self.output_processor.process(result.updates, iteration, failed)
         self.client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for request_id, error in failed.items():
+            logger.error("Processing the output of request %s failed; failing that request "
+                         "only.", request_id, exc_info=error)
+            queue = self._queues.get(request_id)
+            if queue is not None:  # its stream raises, and leaving it aborts the request
+                queue.put_nowait(RequestFailedError(
+                    f"processing the output of request {request_id} failed "
+                    f"({type(error).__name__})"))
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -138,6 +180,8 @@ class AsyncLLM:
     def _fail_all(self) -> None:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError("the engine core process died."))
+        for callback in self._death_callbacks:
+            callback()
 
     async def _log_periodically(self) -> None:
         while True:
@@ -149,4 +193,5 @@ class AsyncLLM:
         self._closing = True
         if self._log_task is not None:
             self._log_task.cancel()
+        self.tokenizer_pool.shutdown()
         self.client.shutdown()

@@ -10,9 +10,11 @@ token updates and scheduler stats out.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from multiprocessing.connection import Connection
@@ -21,6 +23,7 @@ from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.logger import init_logger
+from pagellm.model.errors import ModelLoadError
 from pagellm.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -41,6 +44,7 @@ class CoreReady:
 @dataclass
 class CoreFailed:
     message: str
+    bad_model_file: bool = False  # a ModelLoadError: the CLI exits with code 2
 
 
 @dataclass
@@ -60,12 +64,31 @@ class StepResult:
     stats: SchedulerStats
 
 
+@dataclass
+class CheckKVCache:
+    """Asks the core for a KVCacheReport, checked between steps."""
+
+
+@dataclass
+class KVCacheReport:
+    """The KV cache's occupancy and the block pool's integrity check (soak tests, debugging)."""
+
+    num_blocks: int
+    used_blocks: int
+    num_requests: int
+    problem: str | None  # None: free + used == total, refcounts match the block tables
+
+
 class _Shutdown:
     pass
 
 
 def run_engine_core(conn: Connection, args: EngineArgs) -> None:
-    """Entry point of the core process: build the engine, then step while there is work."""
+    """Entry point of the core process: build the engine, then step while there is work.
+
+    Ctrl-C reaches the whole process group; only the server acts on it (it drains, then
+    stops this process through the pipe), so that it is not taken for an engine death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pagellm.engine.core import EngineCore
     from pagellm.engine.llm_engine import resolve_device
 
@@ -73,7 +96,7 @@ def run_engine_core(conn: Connection, args: EngineArgs) -> None:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                           resolve_device(args.device))
     except (ValueError, FileNotFoundError, RuntimeError) as error:
-        conn.send(CoreFailed(str(error)))
+        conn.send(CoreFailed(str(error), isinstance(error, ModelLoadError)))
         return
     loaded = core.loaded
     conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
@@ -86,12 +109,12 @@ def run_engine_core(conn: Connection, args: EngineArgs) -> None:
 
 def _step_loop(core, conn: Connection) -> None:
     while True:
-        if not core.has_unfinished_requests() and not _handle(core, conn.recv()):
+        if not core.has_unfinished_requests() and not _handle(core, conn, conn.recv()):
             return
         changed = False
         while conn.poll():
             message = conn.recv()
-            if not _handle(core, message):
+            if not _handle(core, conn, message):
                 return
             changed |= isinstance(message, FinishRequests)
         if core.has_unfinished_requests():
@@ -101,12 +124,25 @@ def _step_loop(core, conn: Connection) -> None:
             conn.send(StepResult([], core.make_stats()))
 
 
-def _handle(core, message: object) -> bool:
+def _handle(core, conn: Connection, message: object) -> bool:
     if isinstance(message, AddRequest):
         core.add_request(message.request)
     elif isinstance(message, FinishRequests):
         core.finish_requests(message.request_ids, message.status)
+    elif isinstance(message, CheckKVCache):
+        conn.send(_kv_cache_report(core.scheduler))
     return not isinstance(message, _Shutdown)
+
+
+def _kv_cache_report(scheduler) -> KVCacheReport:
+    pool = scheduler.kv.pool
+    try:
+        scheduler.check_integrity()
+        problem = None
+    except AssertionError as error:
+        problem = str(error) or "the block pool's integrity check failed"
+    return KVCacheReport(pool.num_blocks, pool.num_used_blocks, len(scheduler.requests),
+                         problem)
 
 
 class EngineCoreClient:
@@ -122,6 +158,7 @@ class EngineCoreClient:
         child_conn.close()
         self.ready = self._wait_ready()
         self._send_lock = threading.Lock()
+        self._kv_reports: list[Future[KVCacheReport]] = []
         self._on_result, self._on_dead = on_result, on_dead
         self._reader = threading.Thread(target=self._read_results, name="EngineCoreOutput",
                                         daemon=True)
@@ -140,14 +177,20 @@ class EngineCoreClient:
                 f"{self._process.exitcode}); see its log above.") from None
         if isinstance(message, CoreFailed):
             self._process.join()
-            raise ValueError(message.message)
+            raise (ModelLoadError if message.bad_model_file else ValueError)(message.message)
         return message
 
     def _read_results(self) -> None:
         try:
             while True:
-                self._on_result(self._conn.recv())
+                message = self._conn.recv()
+                if isinstance(message, KVCacheReport):
+                    self._kv_reports.pop(0).set_result(message)
+                else:
+                    self._on_result(message)
         except (EOFError, OSError):
+            for waiting in self._kv_reports:
+                waiting.set_exception(RuntimeError("the engine core process died"))
             self._on_dead()
 
     def _send(self, message: object) -> None:
@@ -161,6 +204,13 @@ class EngineCoreClient:
         ids = list(request_ids)
         if ids:
             self._send(FinishRequests(ids, status))
+
+    def check_kv_cache(self) -> Future[KVCacheReport]:
+        report: Future[KVCacheReport] = Future()
+        with self._send_lock:  # the replies come in the order of the asks
+            self._kv_reports.append(report)
+            self._conn.send(CheckKVCache())
+        return report
 
     @property
     def alive(self) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagellm.core.sched_output import RequestUpdate
@@ -66,11 +68,14 @@ class OutputProcessor:
             sequence.finish_reason = sequence.finish_reason or "abort"
         return self._make_output(state, state.sequences)
 
-    def process(self, updates: list[RequestUpdate],
-                stats: IterationStats | None = None) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updates: list[RequestUpdate], stats: IterationStats | None = None,
+                failed: dict[str, Exception] | None = None
+                ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to hand out and the ids of requests a stop string finished.
 
-        Latencies of this step are added to `stats` when given.
+        Latencies of this step are added to `stats` when given. With `failed`, a request
+        whose output cannot be made (a detokenizer error) is left out and its error put
+        there, so it fails alone; the caller aborts it. Without, the error propagates.
         """
         now = time.monotonic()
         stats = stats if stats is not None else IterationStats()
@@ -78,25 +83,39 @@ class OutputProcessor:
         stopped: list[str] = []
         for update in updates:
             state = self.states.get(update.parent_id or update.request_id)
-            if state is None:
+            if state is None or (failed is not None and state.request_id in failed):
                 continue
-            sequence = state.sequences[update.index]
-            if self._apply(sequence, update):
-                stopped.append(update.request_id)
-            stats.num_generation_tokens += len(update.new_token_ids)
-            self._record_latency(state, sequence, now, stats)
-            touched.setdefault(state.request_id, [])
-            if sequence not in touched[state.request_id]:
-                touched[state.request_id].append(sequence)
+            with self._failing_alone(state.request_id, failed):
+                sequence = state.sequences[update.index]
+                if self._apply(sequence, update):
+                    stopped.append(update.request_id)
+                stats.num_generation_tokens += len(update.new_token_ids)
+                self._record_latency(state, sequence, now, stats)
+                touched.setdefault(state.request_id, [])
+                if sequence not in touched[state.request_id]:
+                    touched[state.request_id].append(sequence)
         outputs = []
         for request_id, sequences in touched.items():
-            state = self.states[request_id]
-            output = self._output_for(state, sequences, now)
-            if state.finished:
-                stats.finished_requests.append(self._finished_stats(state, now))
-            if output is not None:
-                outputs.append(output)
+            if failed is not None and request_id in failed:
+                continue
+            with self._failing_alone(request_id, failed):
+                state = self.states[request_id]
+                output = self._output_for(state, sequences, now)
+                if state.finished:
+                    stats.finished_requests.append(self._finished_stats(state, now))
+                if output is not None:
+                    outputs.append(output)
         return outputs, stopped
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _failing_alone(request_id: str, failed: dict[str, Exception] | None) -> Iterator[None]:
+        try:
+            yield
+        except Exception as error:
+            if failed is None:
+                raise
+            failed[request_id] = error
 
     @staticmethod
     def _record_latency(state: RequestState, sequence: _Sequence, now: float,

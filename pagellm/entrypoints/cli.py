@@ -11,6 +11,7 @@ from pagellm.benchmarks import serve as serve_benchmark
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
 from pagellm.router import cli as router_cli
+from pagellm.model.errors import ModelLoadError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         handler(args)
+    except ModelLoadError as error:  # a model file that cannot be used: exit 2, as for a bad flag
+        print(f"pagellm: error: {error}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as error:
         print(f"pagellm: error: {error}", file=sys.stderr)
         return 1

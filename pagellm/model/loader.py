@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
+from pagellm.model.errors import model_file_error, reading
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
@@ -60,8 +61,9 @@ def resolve_model_path(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"Model {model!r} is not a local path, and weights cannot be downloaded "
-                         "here. Pass a local Hugging Face model folder or a .gguf file.")
+        raise model_file_error(path, "no such file or folder (weights cannot be downloaded "
+                                     "here; pass a local Hugging Face model folder or a .gguf "
+                                     "file)")
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -70,8 +72,8 @@ def resolve_model_path(model: str | None) -> Path:
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return ggufs[0]
-    raise ValueError(f"{path} is neither a .gguf file nor a folder with config.json "
-                     "(or a single .gguf file).")
+    raise model_file_error(path, "neither a .gguf file nor a folder with config.json (or a "
+                                 "single .gguf file)")
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
@@ -91,23 +93,35 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if path.suffix == ".gguf" and batch_invariant and gguf_quantized_max_tokens is None:
         arch, net = load_invariant_gguf_model(path, dtype, device, gguf_int8_activations)
     elif path.suffix == ".gguf":
-        reader = gguf.GGUFReader(path)
-        arch = arch_from_gguf(reader)
-        net = load_gguf_model(reader, arch, dtype, device, gguf_quantized_max_tokens,
-                              gguf_int8_activations, batch_invariant=False)
+        reader, arch = read_gguf(path)
+        with reading(path, "its tensors do not load"):
+            net = load_gguf_model(reader, arch, dtype, device, gguf_quantized_max_tokens,
+                                  gguf_int8_activations, batch_invariant=False)
     else:
-        arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
+        config = path / "config.json"
+        with reading(config, "not a usable model config"):
+            arch = arch_from_hf_config(json.loads(config.read_text()))
         net = instantiate(arch, dtype, device)
-        net.load_weights(safetensors_weights(path))
+        with reading(path, "the weights do not fit the model"):
+            net.load_weights(safetensors_weights(path))
         pack_if_supported(net, dtype, device)
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
-    tok = load_tokenizer(path, tokenizer)
-    return LoadedModel(model=net, arch=arch, tokenizer=tok,
-                       chat_template=find_chat_template(tokenizer_source(path, tokenizer), tok),
+    source = tokenizer_source(path, tokenizer)
+    with reading(source, "the tokenizer does not load"):
+        tok = load_tokenizer(path, tokenizer)
+        chat_template = find_chat_template(source, tok)
+    return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=chat_template,
                        path=path, weights_seconds=seconds,
                        eos_token_ids=eos_token_ids(path, tok))
+
+
+def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
+    with reading(path, "not a readable GGUF file (truncated or corrupt)"):
+        reader = gguf.GGUFReader(path)
+    with reading(path, "unsupported model"):
+        return reader, arch_from_gguf(reader)
 
 
 def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
@@ -121,10 +135,10 @@ def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.devi
         arch, net = prepared
         pack_if_supported(net, dtype, device)
         return arch, net
-    reader = gguf.GGUFReader(path)
-    arch = arch_from_gguf(reader)
-    net = load_gguf_model(reader, arch, dtype, device, None, int8_activations,
-                          batch_invariant=True)
+    reader, arch = read_gguf(path)
+    with reading(path, "its tensors do not load"):
+        net = load_gguf_model(reader, arch, dtype, device, None, int8_activations,
+                              batch_invariant=True)
     if quantized_supported(device):
         save_prepared(cached, net)
     return arch, net
@@ -237,13 +251,19 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """All tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        with reading(index, "not a usable shard index"):
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [folder / shard for shard in shards]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise model_file_error(index, f"lists {len(missing)} shard(s) that are missing: "
+                                          f"{', '.join(missing[:3])}")
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"No *.safetensors weights in {folder}.")
+        raise model_file_error(folder, "no *.safetensors weights")
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        with reading(file, "not a readable safetensors file"):
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
+import dataclasses
+import functools
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -13,19 +14,22 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.cli_args import ServerSettings
-from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError, error_response,
-                                               install_error_handlers)
+from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
+                                               documented_errors, error_response,
+                                               install_error_handlers, to_openai_error)
 from pagellm.entrypoints.openai.frontend import (PUBLIC_PATHS, add_engine_stats, add_playground,
                                                  ready_line)
+from pagellm.entrypoints.openai.lifecycle import SHUTDOWN_MESSAGE, Drain, DrainingServer
+from pagellm.entrypoints.openai.middleware import (OPEN_PATHS, Admission, AdmissionMiddleware,
+                                                   APIKeyMiddleware, BodyLimitMiddleware)
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, DetokenizeResponse, ModelCard,
                                                  ModelList, TokenizeChatRequest,
@@ -37,12 +41,12 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 # KServe's own OpenAI runtime answers under this prefix (its KSERVE_OPENAI_ROUTE_PREFIX), so
 # the /v1 routes answer there too: KServe clients and InferenceGraph steps call either alike.
 KSERVE_OPENAI_PREFIX = "/openai"
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
-_GRACEFUL_SHUTDOWN_SECONDS = 5
+# After the drain (or engine death), how long uvicorn waits for connections to close.
+_UVICORN_SHUTDOWN_SECONDS = 5
 
 
 @dataclass
@@ -52,26 +56,8 @@ class AppState:
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     tokenization: OpenAIServingTokenization
-
-
-class APIKeyMiddleware:
-    """Every route but the open ones needs `Authorization: Bearer <key>` (constant-time check)."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS
-                 ) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response("Invalid or missing API key; send `Authorization: "
-                                          "Bearer <key>`.", HTTPStatus.UNAUTHORIZED)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    admission: Admission
+    drain: Drain
 
 
 def _state(raw_request: Request) -> AppState:
@@ -85,29 +71,53 @@ async def _until_disconnect(raw_request: Request) -> None:
 
 async def _respond(raw_request: Request,
                    call: Coroutine[Any, Any, BaseModel | AsyncIterator[str]]) -> Response:
-    """Run a request; a client that leaves first gets its engine requests aborted."""
-    if _state(raw_request).engine.errored:
+    """Run a request; a client that leaves first gets its engine requests aborted, and so
+    does one still running when a shutdown's timeout ends it (a 503)."""
+    state = _state(raw_request)
+    if state.engine.errored:
         call.close()
         raise OpenAIError(ENGINE_DEAD_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE)
     work = asyncio.ensure_future(call)
     watcher = asyncio.ensure_future(_until_disconnect(raw_request))
+    cut = asyncio.ensure_future(state.drain.cut.wait())
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watcher, cut}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        work.cancel()  # a no-op once it is done
+        for task in (watcher, cut, work):
+            task.cancel()  # a no-op once it is done
     if work not in done:
+        await asyncio.gather(work, return_exceptions=True)  # its engine requests are aborted
+        if cut in done:
+            raise OpenAIError(SHUTDOWN_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
     result = work.result()
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
-    return StreamingResponse(result, media_type="text/event-stream")
+    return StreamingResponse(state.drain.until_cut(result), media_type="text/event-stream")
+
+
+def _guarded(endpoint: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Any error becomes an OpenAI-shaped answer here, inside the route, so that even a 500
+    leaves the connection usable (past this point Starlette would drop it)."""
+
+    @functools.wraps(endpoint)
+    async def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await endpoint(*args, **kwargs)
+        except Exception as error:
+            converted = to_openai_error(error)
+            return error_response(converted.message, converted.status, converted.param)
+
+    return guarded
 
 
 async def health(raw_request: Request) -> Response:
-    """200 while the engine runs, 503 once its process has died."""
-    if _state(raw_request).engine.errored:
+    """200 while the engine runs; 503 once its process has died or while the server drains."""
+    state = _state(raw_request)
+    if state.engine.errored:
         return error_response(ENGINE_DEAD_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE)
+    if state.admission.draining:
+        return error_response("The server is shutting down.", HTTPStatus.SERVICE_UNAVAILABLE)
     return Response(status_code=HTTPStatus.OK)
 
 
@@ -119,6 +129,12 @@ async def version() -> JSONResponse:
 async def metrics() -> Response:
     """Prometheus text with vLLM's `vllm:` metric names."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def kv_cache(raw_request: Request) -> JSONResponse:
+    """KV blocks in use and the block pool's integrity check (soak tests: 0 leaked blocks)."""
+    report = await _state(raw_request).engine.check_kv_cache()
+    return JSONResponse(dataclasses.asdict(report))
 
 
 async def list_models(raw_request: Request) -> ModelList:
@@ -143,40 +159,60 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    raw_request: Request) -> TokenizeResponse:
     """A prompt or chat messages to token ids, as the completion routes would see them."""
-    return _state(raw_request).tokenization.tokenize(request)
+    return await _state(raw_request).tokenization.tokenize(request)
 
 
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
     """Token ids to text."""
-    return _state(raw_request).tokenization.detokenize(request)
+    return await _state(raw_request).tokenization.detokenize(request)
 
 
 ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
     ("GET", "/health", health), ("GET", "/version", version), ("GET", "/metrics", metrics),
     ("GET", "/v1/models", list_models), ("POST", "/v1/completions", create_completion),
     ("POST", "/v1/chat/completions", create_chat_completion), ("POST", "/tokenize", tokenize),
-    ("POST", "/detokenize", detokenize),
+    ("POST", "/detokenize", detokenize), ("GET", "/debug/kv-cache", kv_cache),
 ]
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="pagellm", version=__version__)
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagellm", version=__version__, **docs)
     serving_args = (engine, settings.model_names, settings.log_requests)
+    admission = Admission(settings.limits.max_concurrent_requests)
     app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args),
                                  OpenAIServingChat(*serving_args),
-                                 OpenAIServingTokenization(*serving_args))
+                                 OpenAIServingTokenization(*serving_args), admission,
+                                 Drain(admission, settings.limits.shutdown_timeout))
     for method, path, endpoint in ROUTES:
-        app.add_api_route(path, endpoint, methods=[method])
+        app.add_api_route(path, _guarded(endpoint), methods=[method],
+                          responses=documented_errors(method))
         if path.startswith("/v1/"):
-            app.add_api_route(KSERVE_OPENAI_PREFIX + path, endpoint, methods=[method])
+            app.add_api_route(KSERVE_OPENAI_PREFIX + path, _guarded(endpoint), methods=[method],
+                              responses=documented_errors(method))
     add_engine_stats(app, engine)
     if settings.frontend:
         add_playground(app)
     install_error_handlers(app)
-    if settings.api_key:
-        open_paths = OPEN_PATHS | PUBLIC_PATHS if settings.frontend else OPEN_PATHS
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    add_middleware(app, settings, admission)
     return app
+
+
+def add_middleware(app: FastAPI, settings: ServerSettings, admission: Admission) -> None:
+    """Outermost first: CORS, the API key, admission (limit, drain), the body-size limit."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_request_body_bytes)
+    app.add_middleware(AdmissionMiddleware, admission=admission, open_paths=OPEN_PATHS)
+    if settings.api_key:
+        open_paths = OPEN_PATHS - {"/metrics"} if settings.metrics_need_key else OPEN_PATHS
+        if settings.frontend:
+            open_paths |= PUBLIC_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    if settings.cors is not None:
+        cors = settings.cors
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -193,7 +229,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def log_routes(app: FastAPI, settings: ServerSettings) -> None:
-    logger.info("Starting pagellm API server on http://%s:%d", settings.host, settings.port)
+    scheme = "https" if settings.ssl_certfile else "http"
+    logger.info("Starting pagellm API server on %s://%s:%d", scheme, settings.host,
+                settings.port)
     logger.info("Available routes are:")
     for route in app.routes:
         methods = getattr(route, "methods", None)
@@ -202,11 +240,11 @@ def log_routes(app: FastAPI, settings: ServerSettings) -> None:
                         ", ".join(sorted(methods)))
 
 
-class _Server(uvicorn.Server):
+class _Server(DrainingServer):
     """Says where to point a browser and an SDK once the socket accepts requests."""
 
-    def __init__(self, config: uvicorn.Config, settings: ServerSettings) -> None:
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, drain: Drain, settings: ServerSettings) -> None:
+        super().__init__(config, drain)
         self.settings = settings
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -216,15 +254,21 @@ class _Server(uvicorn.Server):
                                    self.settings.frontend))
 
 
-async def serve(settings: ServerSettings, sock: socket.socket) -> None:
+async def serve(settings: ServerSettings, sock: socket.socket) -> int:
+    """Serve until SIGTERM (exit code 0, after the drain) or engine death (1)."""
     engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats)
     try:
         app = build_app(engine, settings)
         log_routes(app, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level,
-                                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_SECONDS)
-        await _Server(config, settings).serve(sockets=[sock])
+                                ssl_keyfile=settings.ssl_keyfile,
+                                ssl_certfile=settings.ssl_certfile,
+                                timeout_graceful_shutdown=_UVICORN_SHUTDOWN_SECONDS)
+        server = _Server(config, app.state.pagellm.drain, settings)
+        engine.on_death(server.exit_for_engine_death)
+        await server.serve(sockets=[sock])
+        return server.exit_code
     finally:
         engine.shutdown()
 
@@ -233,6 +277,8 @@ def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
     sock = bind_socket(settings.host, settings.port)
     try:
-        asyncio.run(serve(settings, sock))
+        exit_code = asyncio.run(serve(settings, sock))
     finally:
         sock.close()
+    if exit_code:
+        raise SystemExit(exit_code)

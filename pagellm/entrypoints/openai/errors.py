@@ -6,7 +6,9 @@ and it is logged with its traceback while the server keeps serving.
 
 from __future__ import annotations
 
+import uuid
 from http import HTTPStatus
+from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -14,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.engine.async_llm import EngineDeadError
+from pagellm.engine.async_llm import EngineDeadError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.logger import init_logger
 
@@ -25,6 +27,8 @@ _ERROR_TYPES = {
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+    HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -48,8 +52,31 @@ def error_body(message: str, status: HTTPStatus, param: str | None = None) -> Er
                                          code=int(status)))
 
 
-def error_response(message: str, status: HTTPStatus, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status))
+def error_response(message: str, status: HTTPStatus, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=int(status),
+                        headers=headers)
+
+
+_DOCUMENTED = {
+    HTTPStatus.BAD_REQUEST: "A mistake in the request: invalid JSON, a field of the wrong type "
+                            "or value, text that is not valid Unicode, a prompt too long for "
+                            "the model's context.",
+    HTTPStatus.UNAUTHORIZED: "Missing or wrong API key (when the server has one).",
+    HTTPStatus.NOT_FOUND: "A model this server does not serve.",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "The body is larger than --max-request-body-bytes.",
+    HTTPStatus.TOO_MANY_REQUESTS: "More requests in flight than --max-concurrent-requests.",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "A fault of the server (logged with its request id).",
+    HTTPStatus.SERVICE_UNAVAILABLE: "The server is shutting down or its engine has died.",
+}
+
+
+def documented_errors(method: str) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for its OpenAPI entry."""
+    statuses = list(_DOCUMENTED) if method == "POST" else [
+        HTTPStatus.UNAUTHORIZED, HTTPStatus.INTERNAL_SERVER_ERROR, HTTPStatus.SERVICE_UNAVAILABLE]
+    return {int(status): {"model": ErrorResponse, "description": _DOCUMENTED[status]}
+            for status in statuses}
 
 
 def to_openai_error(error: Exception) -> OpenAIError:
@@ -60,9 +87,12 @@ def to_openai_error(error: Exception) -> OpenAIError:
         return OpenAIError(ENGINE_DEAD_MESSAGE, HTTPStatus.SERVICE_UNAVAILABLE)
     if isinstance(error, (ValueError, jinja2.TemplateError)):
         return OpenAIError(str(error))
-    logger.exception("Unexpected error while serving a request", exc_info=error)
-    return OpenAIError(f"Internal server error: {type(error).__name__}",
-                       HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(error, RequestFailedError):  # logged where it happened
+        return OpenAIError(f"Internal server error: {error}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("Unexpected error while serving a request (%s)", error_id, exc_info=error)
+    return OpenAIError(f"Internal server error ({type(error).__name__}); the server log has "
+                       f"the details under {error_id}.", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def stream_error_event(error: Exception) -> str:
@@ -86,7 +116,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         message = str(problem.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{location or 'body'}: {message}")
     first = problems[0].get("loc", ()) if problems else ()
-    param = next((str(part) for part in first if part != "body"), None)
+    param = next((str(part) for part in first  # past a union's branch tag (`x[...]`)
+                  if part != "body" and "[" not in str(part)), None)
     return "; ".join(parts) or "Invalid request body.", param
 
 
@@ -98,7 +129,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(error.detail), HTTPStatus(error.status_code))
+        # Keeps Starlette's headers, such as a 405's `Allow`.
+        return error_response(str(error.detail), HTTPStatus(error.status_code),
+                              headers=dict(error.headers or {}))
 
     async def known_error(_: Request, error: Exception) -> JSONResponse:
         converted = to_openai_error(error)

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, with vLLM's extra fields.
 
 Unknown request fields are ignored (as vLLM does), so clients written for newer
-OpenAI schemas keep working; every known field is type-checked by pydantic.
+OpenAI schemas keep working; every known field is type-checked by pydantic, strictly:
+`"prompt": [[false]]` or `"tokens": ["0"]` is a 400, never token id 0. Text must be
+valid Unicode: a lone surrogate escape (`"\\ud800"`, valid JSON) is a 400 too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,43 @@ from pagellm.sampling_params import SamplingParams
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """Where in `value` (strings, lists, dicts) text that is not valid Unicode sits."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_path(key, path) or _lone_surrogate_path(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}.{index}")
+            if found:
+                return found
+    return None
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: no lax coercion (strict types) and only valid Unicode text."""
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> "OpenAIRequestModel":
+        for name, value in self.__dict__.items():
+            if isinstance(value, BaseModel):
+                continue  # validated on its own
+            found = _lone_surrogate_path(value, name)
+            if found:
+                raise ValueError(f"{found} contains a lone UTF-16 surrogate, which is not valid "
+                                 "Unicode text.")
+        return self
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -51,11 +90,11 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIRequestModel):
     """Fields that completions and chat completions share (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
@@ -123,7 +162,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
-class TextContentPart(OpenAIBaseModel):
+class TextContentPart(OpenAIRequestModel):
     type: str
     text: str | None = None
 
@@ -134,7 +173,7 @@ class TextContentPart(OpenAIBaseModel):
         return self
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(OpenAIRequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -263,13 +302,13 @@ class ChatCompletionChunk(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequestModel):
     model: str | None = None
     messages: list[ChatMessageParam]
     add_generation_prompt: bool = True
@@ -282,7 +321,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -30,8 +30,8 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self.check_model(request.model)
         num_logprobs = request.num_logprobs
-        prompt = self.render_chat(request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs)
+        prompt = await self.render_chat(request.messages, request.add_generation_prompt,
+                                        request.chat_template_kwargs, self.max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [self.make_job(request_id, prompt, request, request.requested_max_tokens,
                               num_logprobs)]

@@ -53,7 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = [self.make_job(f"{request_id}-{i}", prompt, request, request.max_tokens,
                               request.logprobs)
-                for i, prompt in enumerate(self._prompts(request.prompt))]
+                for i, prompt in enumerate(await self._prompts(request.prompt))]
+        if request.echo:
+            await self._decode_prompts(jobs)
         if request.stream:
             usage_chunk = (partial(CompletionResponse, id=request_id, model=model, choices=[])
                            if request.include_usage else None)
@@ -70,18 +72,32 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=self.usage(jobs, completion_tokens))
 
-    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
-                 ) -> list[ProcessedPrompt]:
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                       ) -> list[ProcessedPrompt]:
         single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
         if not prompts:
             raise OpenAIError("The prompt cannot be empty.", param="prompt")
-        return [self.engine.input_processor.process_prompt(p) for p in prompts]
+        return [await self._prompt(p) for p in prompts]
 
-    def prompt_text(self, prompt: ProcessedPrompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return self.engine.tokenizer.decode(prompt.token_ids)
+    async def _prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
+        """Text is tokenized off the loop; too long a prompt is refused before any scan."""
+        if isinstance(prompt, str):
+            with self.context_checked():
+                return ProcessedPrompt(prompt, await self.engine.encode(prompt,
+                                                                        limit=self.max_model_len))
+        self.resolve_max_tokens(len(prompt), None)
+        return self.engine.input_processor.process_prompt(prompt)
+
+    async def _decode_prompts(self, jobs: list[Job]) -> None:
+        """`echo` repeats the prompt: the text of token-id prompts, decoded once, off the loop."""
+        for job in jobs:
+            if job.prompt.text is None:
+                job.prompt.text = await self.engine.decode(job.prompt.token_ids)
+
+    @staticmethod
+    def prompt_text(prompt: ProcessedPrompt) -> str:
+        return prompt.text or ""
 
     def make_choice(self, request: CompletionRequest, index: int, text: str,
                     sequence: CompletionOutput | SequenceResult,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import ProcessedPrompt
+from pagellm.engine.tokenizer_pool import PromptTooLong
 from pagellm.entrypoints.openai.errors import OpenAIError, stream_error_event
 from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingRequest, UsageInfo
 from pagellm.logger import init_logger
@@ -137,8 +138,10 @@ class OpenAIServing:
             return model or self.model_names[0]
         raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
-    def render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None) -> ProcessedPrompt:
+    async def render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None,
+                          limit: int | None = None) -> ProcessedPrompt:
+        """Off the event loop for large conversations; past `limit` tokens, the context error."""
         if not messages:
             raise OpenAIError("messages must not be empty.", param="messages")
         template_kwargs = template_kwargs or {}
@@ -146,10 +149,20 @@ class OpenAIServing:
         if reserved:
             raise OpenAIError(f"chat_template_kwargs may not set {reserved}.",
                               param="chat_template_kwargs")
-        token_ids = self.engine.apply_chat_template(
-            [message.for_template() for message in messages],
-            add_generation_prompt=add_generation_prompt, **template_kwargs)
+        with self.context_checked():
+            token_ids = await self.engine.encode_chat(
+                [message.for_template() for message in messages], add_generation_prompt,
+                limit, **template_kwargs)
         return ProcessedPrompt(None, token_ids)
+
+    @contextlib.contextmanager
+    def context_checked(self) -> Iterator[None]:
+        """Turns a prompt the tokenizer found too long into vLLM's context-length error."""
+        try:
+            yield
+        except PromptTooLong as error:
+            self.resolve_max_tokens(error.num_tokens, None)
+            raise
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         """vLLM's context-length checks; None means "as many as the context leaves"."""

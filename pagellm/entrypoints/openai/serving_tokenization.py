@@ -9,20 +9,21 @@ from pagellm.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
-                 ) -> TokenizeResponse:
-        """A prompt is encoded as /v1/completions would; messages as /v1/chat/completions."""
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest
+                       ) -> TokenizeResponse:
+        """A prompt is encoded as /v1/completions would; messages as /v1/chat/completions.
+
+        Both off the event loop when large."""
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            tokens = self.render_chat(request.messages, request.add_generation_prompt,
-                                      request.chat_template_kwargs).token_ids
+            tokens = (await self.render_chat(request.messages, request.add_generation_prompt,
+                                             request.chat_template_kwargs)).token_ids
         else:
-            tokens = self.engine.tokenizer.encode(request.prompt,
-                                                  add_special_tokens=request.add_special_tokens)
+            tokens = await self.engine.encode(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,
                                 tokens=tokens)
 
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         token_ids = self.engine.input_processor.process_prompt(request.tokens).token_ids
-        return DetokenizeResponse(prompt=self.engine.tokenizer.decode(token_ids))
+        return DetokenizeResponse(prompt=await self.engine.decode(token_ids))
