@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+from pagellm.structured_outputs.params import StructuredOutputsConfig
 
 _GIB = 1 << 30
 
@@ -49,6 +50,11 @@ _HELP = {
                              "(on AVX2, twice float32's speed for 4-bit codes, 1.2x for 8-bit "
                              "ones; on AMX tiles where the CPU has them); "
                              "--no-gguf-int8-activations: float32, the exact dequantized model",
+    "structured_outputs_config": "vLLM's structured outputs JSON: backend (auto, xgrammar or "
+                                 "guidance), disable_fallback, disable_any_whitespace, "
+                                 "disable_additional_properties (guidance), and pagellm's "
+                                 "max_whitespace (longest run of whitespace a JSON grammar "
+                                 "allows, default 4) and compile_timeout_s (default 10)",
 }
 
 
@@ -76,6 +82,7 @@ class EngineArgs:
     preemption_mode: str = "auto"
     gguf_quantized_max_tokens: int | None = None
     gguf_int8_activations: bool = True
+    structured_outputs_config: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -124,6 +131,10 @@ class EngineArgs:
         if size <= 0:
             raise ValueError(f"the KV offloading size must be positive, got {size} bytes.")
         return size
+
+    def grammar_config(self) -> StructuredOutputsConfig:
+        """The parsed --structured-outputs-config."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,

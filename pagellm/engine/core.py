@@ -20,6 +20,8 @@ from pagellm.logger import init_logger
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.request import Request, RequestStatus
+from pagellm.structured_outputs.manager import StructuredOutputManager
+from pagellm.structured_outputs.params import StructuredOutputsConfig
 from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -28,7 +30,8 @@ _GIB = float(1 << 30)
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: torch.device) -> None:
+                 scheduler_config: SchedulerConfig, device: torch.device,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
@@ -57,6 +60,9 @@ class EngineCore:
         kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
+        self.structured_outputs = StructuredOutputManager(
+            self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
+            structured_outputs_config)
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config
@@ -134,6 +140,8 @@ class EngineCore:
                          eos_token_ids=list(self.loaded.eos_token_ids))
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_outputs.attach(request)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -143,12 +151,28 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
+        failed = self._finish_failed_grammars()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.has_transfers:
-            return [], self.scheduler.make_stats()
+            self.structured_outputs.wait_for_any(list(self.scheduler.waiting))
+            return failed, self.scheduler.make_stats()
         runner_output = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, runner_output)
-        return updates, self.scheduler.make_stats()
+        return failed + updates, self.scheduler.make_stats()
+
+    def _finish_failed_grammars(self) -> list[RequestUpdate]:
+        """Waiting requests whose grammar failed to compile (or timed out) end as aborted."""
+        now = time.monotonic()
+        updates = []
+        for request in list(self.scheduler.waiting):
+            reason = request.grammar.failure(now) if request.grammar is not None else None
+            if reason is None:
+                continue
+            logger.error("Request %s: %s", request.request_id, reason)
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            updates.append(RequestUpdate(request.request_id, request.parent_id, request.index,
+                                         [], [], request.status.finish_reason))
+        return updates
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:
