@@ -8,7 +8,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from pagellm.structured_outputs.backend import (GrammarBackend, choice_literals, is_ebnf,
@@ -24,7 +23,10 @@ class _Matcher:
         return self._matcher.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Into the row of a contiguous CPU int32 bitmask (llguidance.torch's helper would
+        import torch._dynamo: seconds at the first request)."""
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
+        self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
 
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()

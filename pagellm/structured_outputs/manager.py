@@ -81,6 +81,9 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),
                                             thread_name_prefix="grammar-compile")
+        # the library and its vocabulary tables are ready before the first request needs them
+        self._executor.submit(self._backend, "guidance" if self.config.backend == "guidance"
+                              else "xgrammar")
 
     def attach(self, request: "Request") -> None:
         """Start (or reuse) the compilation of the request's grammar."""
@@ -97,15 +100,18 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
         request.grammar = RequestGrammar(future, time.monotonic() + self.config.compile_timeout_s)
 
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._lock:
+            backend = self._backends.get(name)
+        if backend is None:  # the tokenizer's tables take a few tenths of a second, once
+            backend = backend_class(name)(*self._backend_args)
+            with self._lock:
+                backend = self._backends.setdefault(name, backend)
+        return backend
+
     def _compile(self, backend_name: str, params: StructuredOutputsParams) -> CompiledGrammar:
         start = time.perf_counter()
-        with self._lock:
-            backend = self._backends.get(backend_name)
-        if backend is None:  # the tokenizer's tables take a few tenths of a second, once
-            backend = backend_class(backend_name)(*self._backend_args)
-            with self._lock:
-                backend = self._backends.setdefault(backend_name, backend)
-        compiled = backend.compile(params)
+        compiled = self._backend(backend_name).compile(params)
         logger.debug("Compiled a %s grammar with %s in %.1f ms", params.kind, backend_name,
                      (time.perf_counter() - start) * 1e3)
         return compiled

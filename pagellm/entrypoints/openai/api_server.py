@@ -148,7 +148,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pagellm", version=__version__)
     serving_args = (engine, settings.model_names, settings.log_requests)
     app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args),
-                                 OpenAIServingChat(*serving_args),
+                                 OpenAIServingChat(*serving_args, tools=settings.tools),
                                  OpenAIServingTokenization(*serving_args))
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, endpoint, methods=[method])

@@ -49,7 +49,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="do not log the periodic engine stats line")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                         help="log level of uvicorn (access log at info)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="parse tool calls out of answers for tool_choice 'auto' (the "
+                             "default when a request has tools)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the tool-call format: hermes, mistral, llama3_json, pythonic, or "
+                             "a plugin's name (default: found from the chat template)")
+    parser.add_argument("--tool-parser-plugin", default=None,
+                        help="a Python file that registers a tool-call parser")
+    parser.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                        help="split the model's thinking into message.reasoning")
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
+
+
+@dataclass
+class ToolSettings:
+    """What `pagellm serve` was told about tools and reasoning."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -62,6 +81,7 @@ class ServerSettings:
     log_stats: bool
     uvicorn_log_level: str
     engine_args: EngineArgs
+    tools: ToolSettings
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -72,9 +92,17 @@ class ServerSettings:
         from pagellm.tokenizer import load_chat_template  # transformers: only when serving
 
         engine_args.chat_template = load_chat_template(args.chat_template)
+        if args.tool_parser_plugin:
+            from pagellm.entrypoints.openai.tool_parsers import ToolParserManager
+
+            ToolParserManager.load_plugin(args.tool_parser_plugin)
+        engine_args.grammar_config()  # a bad --structured-outputs-config fails now
+        tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
+                             args.reasoning_parser)
         api_key = args.api_key or next(
             (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
         return cls(host=args.host, port=args.port, model_names=names, api_key=api_key,
                    log_requests=not args.disable_log_requests,
                    log_stats=not args.disable_log_stats,
-                   uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args)
+                   uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args,
+                   tools=tools)
