@@ -220,3 +220,29 @@ def test_fields_clients_send_are_accepted(client: openai.OpenAI) -> None:
     chunks = list(chat(client, max_tokens=3, stream=True, temperature=0,
                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 3
+
+
+def test_langchain_bind_tools_and_structured_output(server: RemoteServer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", model="tiny",
+                       temperature=0, max_tokens=120, max_retries=0)
+    message = model.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Oslo?")
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER)
+    forecast = model.with_structured_output(Forecast).invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+
+
+def test_litellm_completion_with_tools(server: RemoteServer) -> None:
+    import litellm
+
+    response = litellm.completion(model="openai/tiny", api_base=f"{server.url}/v1",
+                                  api_key="EMPTY", messages=MESSAGES, tools=TOOLS,
+                                  tool_choice="required", temperature=0, max_tokens=120)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        json.loads(call.function.arguments)

@@ -22,9 +22,9 @@ class ReasoningParser:
         body = text.lstrip()
         if body.startswith(_START):
             body = body[len(_START):]
+        elif not final and body and _START.startswith(body):
+            return "", ""  # may still become `<think>`
         elif not self.starts_inside:
-            if not final and body and _START.startswith(body):
-                return "", ""
             return "", text
         reasoning, end = split_at_marker(body, _END, final)
         if end is None:
