@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.structured_outputs.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +69,12 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     swapped_block_ids: list[int] = field(default_factory=list)  # tier-2 blocks while swapped out
+    grammar: "RequestGrammar | None" = None  # set by the engine core for structured outputs
+
+    @property
+    def schedulable(self) -> bool:
+        """False while the request's grammar is still compiling."""
+        return self.grammar is None or self.grammar.ready
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

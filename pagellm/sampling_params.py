@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pagellm.structured_outputs.params import StructuredOutputsParams
+
 _MAX_N = 128
 _MAX_TOP_LOGPROBS = 20
 
@@ -38,6 +40,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +75,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= _MAX_TOP_LOGPROBS,
              f"logprobs must be between 0 and {_MAX_TOP_LOGPROBS}, got {self.logprobs}."),
             (all(s for s in self.stop), "stop strings must not be empty."),
+            (not (self.ignore_eos and self.structured_outputs),
+             "ignore_eos cannot be combined with structured outputs: the output would go on "
+             "unconstrained after the grammar's end."),
         ]
         for ok, message in checks:
             if not ok:

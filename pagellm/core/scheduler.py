@@ -118,9 +118,16 @@ class Scheduler:
         return self.swap_cost is not None and self.swap_cost.prefers_swap(
             request.num_computed_tokens, len(request.block_ids))
 
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request that can run: one whose grammar still compiles is passed
+        over, so it holds up no one behind it."""
+        return next((r for r in self.waiting if r.schedulable), None)
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._next_waiting()
+            if request is None:
+                break
             computed = self.kv.get_computed_blocks(request)
             offloaded = self.kv.get_offloaded_blocks(request, len(computed))
             num_hits = len(computed) + len(offloaded)
@@ -128,7 +135,10 @@ class Scheduler:
             num_tokens = min(request.num_tokens - num_computed, budget)
             if not self.kv.can_allocate(request, num_tokens, computed, offloaded):
                 break
-            self.waiting.popleft()
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
             if request.num_computed_tokens == 0:
                 self.kv.record_prefix_lookup(request, computed)
             self.kv.allocate_slots(request, num_tokens, computed, offloaded)
@@ -166,6 +176,8 @@ class Scheduler:
     def _append_token(self, request: Request, token_id: int,
                       logprob: TokenLogprobs | None) -> RequestUpdate:
         request.append_output_token(token_id)
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
         self.kv.hash_new_blocks(request)
         self._step_generation_tokens += 1
         status = self._check_stop(request, token_id)
@@ -180,7 +192,8 @@ class Scheduler:
             request_id=child_request_id(parent.request_id, index), prompt_token_ids=parent.prompt_token_ids,
             sampling_params=parent.sampling_params, max_tokens=parent.max_tokens,
             eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
-            parent_id=parent.request_id, index=index)
+            parent_id=parent.request_id, index=index,
+            grammar=parent.grammar.fork() if parent.grammar is not None else None)
         self.kv.fork(parent, child)
         self.requests[child.request_id] = child
         self.waiting.appendleft(child)

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+from pagellm.structured_outputs.params import StructuredOutputsConfig
 
 _GIB = 1 << 30
 
@@ -55,6 +56,11 @@ _HELP = {
                        "CPU): each projection multiplies one form at every step size, and "
                        "decodes attend through the prefill kernel; --no-batch-invariant times "
                        "the fastest form per step size at start-up instead",
+    "structured_outputs_config": "vLLM's structured outputs JSON: backend (auto, xgrammar or "
+                                 "guidance), disable_fallback, disable_any_whitespace, "
+                                 "disable_additional_properties (guidance), and pagellm's "
+                                 "max_whitespace (longest run of whitespace a JSON grammar "
+                                 "allows, default 4) and compile_timeout_s (default 10)",
 }
 
 
@@ -83,6 +89,7 @@ class EngineArgs:
     gguf_quantized_max_tokens: int | None = None
     gguf_int8_activations: bool = True
     batch_invariant: bool = True
+    structured_outputs_config: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -136,6 +143,10 @@ class EngineArgs:
         if size <= 0:
             raise ValueError(f"the KV offloading size must be positive, got {size} bytes.")
         return size
+
+    def grammar_config(self) -> StructuredOutputsConfig:
+        """The parsed --structured-outputs-config."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,

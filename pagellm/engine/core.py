@@ -22,6 +22,8 @@ from pagellm.logger import init_logger
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.request import Request, RequestStatus
+from pagellm.structured_outputs.manager import StructuredOutputManager
+from pagellm.structured_outputs.params import StructuredOutputsConfig
 from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -31,7 +33,8 @@ BLOCK_MAP_INTERVAL_SECONDS = 1.0  # a map costs about a millisecond per 10k bloc
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, device: torch.device) -> None:
+                 scheduler_config: SchedulerConfig, device: torch.device,
+                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
@@ -61,6 +64,9 @@ class EngineCore:
                                           cache_config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
         self._block_map_time = float("-inf")
+        self.structured_outputs = StructuredOutputManager(
+            self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
+            structured_outputs_config)
 
     def _load(self, config: ModelConfig) -> LoadedModel:
         """Load with a line before each long stage, so that a first start is never silent."""
@@ -153,6 +159,8 @@ class EngineCore:
                          num_kv_blocks=self.num_blocks)
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_outputs.attach(request)
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -162,12 +170,28 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
+        failed = self._finish_failed_grammars()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.has_transfers:
-            return [], self.make_stats()
+            self.structured_outputs.wait_for_any(list(self.scheduler.waiting))
+            return failed, self.make_stats()
         runner_output = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, runner_output)
-        return updates, self.make_stats()
+        return failed + updates, self.make_stats()
+
+    def _finish_failed_grammars(self) -> list[RequestUpdate]:
+        """Waiting requests whose grammar failed to compile (or timed out) end as aborted."""
+        now = time.monotonic()
+        updates = []
+        for request in list(self.scheduler.waiting):
+            reason = request.grammar.failure(now) if request.grammar is not None else None
+            if reason is None:
+                continue
+            logger.error("Request %s: %s", request.request_id, reason)
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            updates.append(RequestUpdate(request.request_id, request.parent_id, request.index,
+                                         [], [], request.status.finish_reason))
+        return updates
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's record, with a map of the KV blocks once a second and whenever the

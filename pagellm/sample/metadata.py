@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,6 +28,8 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_id: int | None
     seed_stream: int = 0  # index among the n siblings of one prompt
+    # structured outputs: fills this row's allowed-token bitmask (fill_bitmask(mask, row))
+    grammar: Any = None
 
 
 @dataclass
@@ -65,6 +68,13 @@ class RandomMetadata:
 
 
 @dataclass
+class TokenMaskMetadata:
+    """Allowed tokens of the grammar-constrained rows: bit j of word i allows 32 * i + j."""
+    rows: Tensor | None  # None = every row
+    bitmask: Tensor  # [G, ceil(vocab / 32)] int32
+
+
+@dataclass
 class LogprobMetadata:
     rows: Tensor
     row_list: list[int]
@@ -81,6 +91,7 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None
     random: RandomMetadata | None
     logprobs: LogprobMetadata | None
+    token_mask: TokenMaskMetadata | None = None
 
 
 def _index(rows: list[int], total: int, device: torch.device) -> Tensor | None:
@@ -218,6 +229,19 @@ def _logprobs(rows: Sequence[SamplingRow], device: torch.device) -> LogprobMetad
     )
 
 
+def _token_mask(rows: Sequence[SamplingRow], vocab_size: int,
+                device: torch.device) -> TokenMaskMetadata | None:
+    """Each constrained row's grammar fills its bitmask row; a finished grammar leaves none."""
+    picked = [i for i, row in enumerate(rows) if row.grammar is not None and row.grammar.active]
+    if not picked:
+        return None
+    bitmask = torch.full((len(picked), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for position, i in enumerate(picked):
+        rows[i].grammar.fill_bitmask(bitmask, position)
+    return TokenMaskMetadata(rows=_index(picked, len(rows), device),
+                             bitmask=bitmask.to(device, non_blocking=True))
+
+
 def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int,
                             device: torch.device) -> SamplingMetadata:
     """Tensors for one sampler call; row i of the logits belongs to rows[i]."""
@@ -229,4 +253,5 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int,
         penalties=_penalties(rows, vocab_size, device),
         random=_random(rows, vocab_size, device),
         logprobs=_logprobs(rows, device),
+        token_mask=_token_mask(rows, vocab_size, device),
     )

@@ -22,6 +22,7 @@ from pagellm.sample.metadata import (
     SamplingMetadata,
     SamplingRow,
     SparseLogitEdit,
+    TokenMaskMetadata,
     build_sampling_metadata,
 )
 from pagellm.sample.noise import random_row_keys, subtract_noise_
@@ -62,6 +63,14 @@ def _token_counts(tokens: Tensor, vocab_size: int) -> Tensor:
     real = tokens < vocab_size
     counts = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32, device=tokens.device)
     return counts.scatter_add_(1, tokens.masked_fill(~real, 0), real.to(torch.float32))
+
+
+def apply_token_mask(logits: Tensor, mask: TokenMaskMetadata) -> Tensor:
+    """Disallowed tokens of the constrained rows to -inf: the bitmask unpacked to [G, vocab]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = mask.bitmask.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    allowed = bits.view(bits.shape[0], -1)[:, :logits.shape[1]].bool()
+    return _on_rows(logits, mask.rows, lambda rows: rows.masked_fill(~allowed, _NEG_INF))
 
 
 def apply_penalties(logits: Tensor, meta: PenaltyMetadata) -> Tensor:
@@ -189,9 +198,17 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-        """Min-tokens mask, logit bias and penalties (what greedy rows take the argmax of), in
-        float32. Logits that need none stay in the model's dtype: the argmax of a greedy
-        step reads them as they are (a float32 copy of a [256, 49152] step cost 10 ms)."""
+        """Min-tokens mask, logit bias and penalties in float32, then the grammar's token mask:
+        what greedy rows take the argmax of. Logits that need none stay in the model's dtype:
+        the argmax of a greedy step reads them as they are (a float32 copy of a [256, 49152]
+        step cost 10 ms). The raw logits are never written: logprobs are read from them."""
+        if metadata.token_mask is None:
+            return Sampler._edit_logits(logits, metadata)
+        # last: no bias or penalty revives a banned token
+        return apply_token_mask(Sampler._edit_logits(logits, metadata), metadata.token_mask)
+
+    @staticmethod
+    def _edit_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         if (metadata.min_tokens_mask is None and metadata.logit_bias is None
                 and metadata.penalties is None):
             return logits

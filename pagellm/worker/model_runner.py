@@ -249,6 +249,6 @@ class ModelRunner:
                 rows.append(SamplingRow(
                     params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids, eos_token_id=request.eos_token_id,
-                    seed_stream=request.index + stream))
+                    seed_stream=request.index + stream, grammar=request.grammar))
                 owners.append(request.request_id)
         return rows, owners

@@ -181,7 +181,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     serving_args = (engine, settings.model_names, settings.log_requests)
     admission = Admission(settings.limits.max_concurrent_requests)
     app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args),
-                                 OpenAIServingChat(*serving_args),
+                                 OpenAIServingChat(*serving_args, tools=settings.tools),
                                  OpenAIServingTokenization(*serving_args), admission,
                                  Drain(admission, settings.limits.shutdown_timeout))
     for method, path, endpoint in ROUTES:

@@ -106,6 +106,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="do not serve the web playground and engine view at /")
     parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                         help="log level of uvicorn (access log at info)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="parse tool calls out of answers for tool_choice 'auto' (the "
+                             "default when a request has tools)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the tool-call format: hermes, mistral, llama3_json, pythonic, or "
+                             "a plugin's name (default: found from the chat template)")
+    parser.add_argument("--tool-parser-plugin", default=None,
+                        help="a Python file that registers a tool-call parser")
+    parser.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                        help="split the model's thinking into message.reasoning")
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
 
 
@@ -125,6 +135,15 @@ class ServerLimits:
 
 
 @dataclass
+class ToolSettings:
+    """What `pagellm serve` was told about tools and reasoning."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+@dataclass
 class ServerSettings:
     host: str
     port: int
@@ -141,6 +160,7 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -151,6 +171,13 @@ class ServerSettings:
         from pagellm.tokenizer import load_chat_template  # transformers: only when serving
 
         engine_args.chat_template = load_chat_template(args.chat_template)
+        if args.tool_parser_plugin:
+            from pagellm.entrypoints.openai.tool_parsers import ToolParserManager
+
+            ToolParserManager.load_plugin(args.tool_parser_plugin)
+        engine_args.grammar_config()  # a bad --structured-outputs-config fails now
+        tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
+                             args.reasoning_parser)
         cors = None
         if args.allowed_origins is not None:
             cors = CorsSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers,
@@ -161,7 +188,7 @@ class ServerSettings:
                    log_requests=not args.disable_log_requests,
                    log_stats=not args.disable_log_stats,
                    uvicorn_log_level=args.uvicorn_log_level, engine_args=engine_args,
-                   frontend=not args.disable_frontend,
+                   frontend=not args.disable_frontend, tools=tools,
                    metrics_need_key=args.enable_metrics_auth,
                    docs=not args.disable_fastapi_docs, cors=cors,
                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,

@@ -8,6 +8,7 @@ valid Unicode: a lone surrogate escape (`"\\ud800"`, valid JSON) is a 400 too.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
                       model_serializer, model_validator)
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs.params import StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -92,6 +94,31 @@ class UsageInfo(OpenAIBaseModel):
 
 class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _no_continuous_usage(self) -> "StreamOptions":
+        if self.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported.")
+        return self
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Fields clients send that this server cannot honour: a 400 rather than silently dropped.
+_UNSUPPORTED_FIELDS = ("audio", "prediction", "web_search_options", "functions",
+                       "function_call")
+_SERVICE_TIERS = (None, "auto", "default")
 
 
 class SamplingRequest(OpenAIRequestModel):
@@ -118,18 +145,46 @@ class SamplingRequest(OpenAIRequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, legacy guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # accepted as OpenAI's clients send them; nothing is stored, nothing is tiered
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
+        unsupported = [name for name in _UNSUPPORTED_FIELDS if getattr(self, name, None)]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'}"
+                             " not supported by this server.")
+        if self.store:
+            raise ValueError("store: true is not supported: this server keeps no completions.")
+        if self.service_tier not in _SERVICE_TIERS:
+            raise ValueError(f"service_tier {self.service_tier!r} is not supported; use 'auto' "
+                             "or 'default'.")
         return self
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError (a 400 for the client) on values SamplingParams rejects."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -142,7 +197,8 @@ class SamplingRequest(OpenAIRequestModel):
             logprobs=logprobs, logit_bias=self._int_logit_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=structured)
 
     def _int_logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -162,6 +218,27 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
+class FunctionDefinition(OpenAIRequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(OpenAIRequestModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequestModel):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
 class TextContentPart(OpenAIRequestModel):
     type: str
     text: str | None = None
@@ -179,21 +256,40 @@ class ChatMessageParam(OpenAIRequestModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # DeepSeek's name for `reasoning`
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content parts joined into one string."""
+        """The message as chat templates expect it: content parts joined into one string,
+        each tool call's arguments a JSON string (OpenAI's form; a parsed object is accepted)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         extras = {"name": self.name, "tool_call_id": self.tool_call_id,
-                  "tool_calls": self.tool_calls}
+                  "tool_calls": _string_arguments(self.tool_calls),
+                  "reasoning_content": self.reasoning or self.reasoning_content}
         message.update({key: value for key, value in extras.items() if value is not None})
         return message
 
 
+def _string_arguments(tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tool_calls:
+        return tool_calls
+    calls = []
+    for call in tool_calls:
+        function = dict(call.get("function") or {})
+        if not isinstance(function.get("arguments", ""), str):
+            function["arguments"] = json.dumps(function["arguments"], ensure_ascii=False)
+        calls.append({**call, "function": function})
+    return calls
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam]
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -252,9 +348,46 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _skip_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """The first delta of a call has id, type and name (and `arguments: ""`); later ones
+    only the index and the next arguments fragment."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _skip_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the same text, for clients that read this name
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -279,6 +412,9 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _skip_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
                                                  CompletionRequest, CompletionResponse)
 from pagellm.entrypoints.openai.serving_engine import (Job, OpenAIServing, SequenceResult,
                                                        token_logprobs)
+from pagellm.entrypoints.openai.structured import requested_constraint
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -50,9 +51,11 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise OpenAIError("echo together with logprobs is not supported (prompt logprobs "
                               "are not computed).", param="echo")
+        structured = await self.constraint(requested_constraint(request),
+                                           request.guided_decoding_backend)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = [self.make_job(f"{request_id}-{i}", prompt, request, request.max_tokens,
-                              request.logprobs)
+                              request.logprobs, structured)
                 for i, prompt in enumerate(await self._prompts(request.prompt))]
         if request.echo:
             await self._decode_prompts(jobs)

@@ -21,9 +21,12 @@ from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.engine.tokenizer_pool import PromptTooLong
 from pagellm.entrypoints.openai.errors import OpenAIError, stream_error_event
 from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.structured import resolve_constraint
 from pagellm.logger import init_logger
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs.backend import backend_class
+from pagellm.structured_outputs.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
@@ -127,6 +130,9 @@ class OpenAIServing:
         self.engine = engine
         self.model_names = model_names
         self.log_requests = log_requests
+        self.structured_outputs_config = engine.args.grammar_config()
+        for name in ("xgrammar", "guidance"):  # imported now, not by the first request
+            backend_class(name)
 
     @property
     def max_model_len(self) -> int:
@@ -184,10 +190,16 @@ class OpenAIServing:
                 "completion.", param="max_tokens")
         return requested
 
+    async def constraint(self, spec: dict[str, Any] | None,
+                         backend: str | None = None) -> StructuredOutputsParams | None:
+        """The validated structured-outputs spec (a 400 if the grammar library rejects it)."""
+        return await resolve_constraint(spec, backend, self.structured_outputs_config)
+
     def make_job(self, request_id: str, prompt: ProcessedPrompt, request: SamplingRequest,
-                 requested_max_tokens: int | None, num_logprobs: int | None) -> Job:
+                 requested_max_tokens: int | None, num_logprobs: int | None,
+                 structured: StructuredOutputsParams | None = None) -> Job:
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested_max_tokens)
-        params = request.to_sampling_params(max_tokens, num_logprobs)
+        params = request.to_sampling_params(max_tokens, num_logprobs, structured)
         vocab_size = self.engine.info.vocab_size
         out_of_vocab = sorted(t for t in params.logit_bias or {} if not 0 <= t < vocab_size)
         if out_of_vocab:
