@@ -81,7 +81,7 @@ def openapi_schema() -> dict[str, Any]:
     from pagellm.entrypoints.openai.api_server import build_app
 
     engine = SimpleNamespace(info=ModelInfo(max_model_len=0, vocab_size=0, eos_token_ids=[]),
-                             stat_loggers=[], model_name="")
+                             stat_loggers=[], model_name="", args=EngineArgs())
     settings = ServerSettings(host="127.0.0.1", port=8000, model_names=["model"], api_key=None,
                               log_requests=False, log_stats=False, uvicorn_log_level="info",
                               engine_args=EngineArgs())
