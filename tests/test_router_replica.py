@@ -20,9 +20,7 @@ PROMPT = ("You are the support assistant of a bicycle shop. Answer briefly and p
 
 @pytest.fixture(scope="module")
 def replica(smollm2_gguf: Path) -> Iterator[RemoteServer]:
-    # float weights: no per-shape measurement of the quantized kernels at start-up
-    server = RemoteServer(smollm2_gguf, "--gguf-quantized-max-tokens", "0",
-                          "--served-model-name", "SmolLM2-135M-Instruct",
+    server = RemoteServer(smollm2_gguf, "--served-model-name", "SmolLM2-135M-Instruct",
                           startup_timeout=300)
     yield server
     server.stop()

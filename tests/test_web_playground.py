@@ -27,9 +27,7 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: Path) -> Iterator[RemoteServer]:
-    # a fixed quantized step size skips the start-up timings, which take a minute on 2 cores
-    remote = RemoteServer(smollm2_gguf, "--served-model-name", MODEL,
-                          "--gguf-quantized-max-tokens", "16", startup_timeout=600)
+    remote = RemoteServer(smollm2_gguf, "--served-model-name", MODEL, startup_timeout=600)
     yield remote
     assert_clean_shutdown(remote.stop())
 
