@@ -97,8 +97,10 @@ def _cpu_has(flag: str) -> bool:
 
 
 def _source_digest() -> str:
-    """Part of the build's name: torch rebuilds on a changed source, not on a changed header."""
-    digest = hashlib.sha256()
+    """Part of the build's name: torch rebuilds on a changed source, not on a changed header,
+    and on a changed include path, which its build file records, so the checkout's path counts
+    too (two checkouts sharing one name would rebuild each other's kernels at every start)."""
+    digest = hashlib.sha256(str(_HERE.resolve()).encode())
     for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
