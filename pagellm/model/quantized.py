@@ -282,7 +282,7 @@ class Linear(nn.Linear):
 
     def bytes_read(self, tokens: int) -> int:
         """Bytes of the form that a step of `tokens` tokens multiplies: all of it is read."""
-        quantized = tokens <= self.quantized_max_tokens
+        quantized = 0 < self.quantized_max_tokens and tokens <= self.quantized_max_tokens
         return sum(t.numel() * t.element_size() for t in self.tensors_read(tokens, quantized))
 
     def tensors_read(self, tokens: int, quantized: bool) -> list[torch.Tensor]:
@@ -330,6 +330,6 @@ class Linear(nn.Linear):
                                 panels_only=self.batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.quantized_max_tokens:
+        if self.quantized_max_tokens and x.shape[0] <= self.quantized_max_tokens:
             return self.quantized_forward(x)
         return self.dense_forward(x)
