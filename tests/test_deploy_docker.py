@@ -80,6 +80,7 @@ class EntrypointServer(RemoteServer):
         # RemoteServer's own start runs `pagellm serve`; only the command differs here
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = True  # plain http, as the pod's probes see it
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-pod-", suffix=".log")
         args = [str(self.port) if previous == "--port" else word

@@ -142,8 +142,11 @@ def engine_answers(model: str | None, arguments: dict[str, Any], messages: list[
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     loaded = llm.engine.core.loaded
-    return EngineRun([list(o.outputs[0].token_ids) for o in outputs], seconds, prompts,
-                     loaded.path, loaded.eos_token_ids, llm.get_tokenizer())
+    # token_ids end with the EOS token that stopped a sequence, as vLLM's do; the scores
+    # compare what comes before it
+    answers = [_until_eos(list(o.outputs[0].token_ids), loaded.eos_token_ids) for o in outputs]
+    return EngineRun(answers, seconds, prompts, loaded.path, loaded.eos_token_ids,
+                     llm.get_tokenizer())
 
 
 def server_answers(base_url: str, tokenizer: Any, prompts: list[list[int]],
