@@ -65,7 +65,7 @@ def _splitter_weights(docs: list[dict]) -> None:
 
 
 def _unknown_flag(docs: list[dict]) -> None:
-    _pagellm_container(docs)["args"].append("--enable-auto-tool-choice")
+    _pagellm_container(docs)["args"] += ["--max-model-length", "4096"]  # vLLM says --max-model-len
 
 
 def _tensor_parallel(docs: list[dict]) -> None:
@@ -110,7 +110,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "splitter": ("kserve/inferencegraph-rag.yaml", _splitter_weights, "should be 100"),
     "graph name": ("kserve/inferencegraph-rag.yaml", _bad_metadata_name, "must match"),
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
-                     "unrecognized arguments: --enable-auto-tool-choice"),
+                     "unrecognized arguments: --max-model-length 4096"),
     "tensor parallel": ("kubernetes/pagellm-gpu.yaml", _tensor_parallel, "only 1 is supported"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
