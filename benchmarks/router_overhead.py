@@ -17,14 +17,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from server_utils import cli_env, free_port  # noqa: E402
+
+from server_health import wait_healthy  # noqa: E402
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
@@ -38,15 +38,8 @@ def _cpu_seconds(pid: int) -> float:
 def _start(command: list[str], url: str) -> subprocess.Popen:
     process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{command[:4]} did not become healthy")
+    wait_healthy(process, url, timeout=120, poll_seconds=0.2)
+    return process
 
 
 def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -> dict:

@@ -14,9 +14,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
+from server_health import wait_healthy
 
 
 def free_port() -> int:
@@ -27,21 +26,11 @@ def free_port() -> int:
 
 def seconds_to_health(env: dict[str, str], serve_args: list[str], timeout: float = 900) -> float:
     port = free_port()
-    start = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
                                "--port", str(port), *serve_args], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.perf_counter() - start < timeout:
-            if server.poll() is not None:
-                raise SystemExit(f"pagellm serve exited with {server.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise SystemExit(f"no healthy /health within {timeout} s")
+        return wait_healthy(server, f"http://127.0.0.1:{port}", timeout)
     finally:
         server.terminate()
         server.wait(timeout=60)

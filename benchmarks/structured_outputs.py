@@ -18,8 +18,8 @@ import sys
 import time
 import uuid
 
-import httpx
 import openai
+from server_health import wait_healthy
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -89,15 +89,8 @@ def start_server(port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", str(port),
                "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "warning"]
     server = subprocess.Popen(command, env=os.environ.copy())
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            time.sleep(1)
-    server.kill()
-    raise RuntimeError("the server did not become healthy")
+    wait_healthy(server, f"http://127.0.0.1:{port}", timeout=600, poll_seconds=1)
+    return server
 
 
 async def main(args: argparse.Namespace) -> None:
