@@ -34,6 +34,10 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  DetokenizeRequest, DetokenizeResponse, ModelCard,
                                                  ModelList, TokenizeChatRequest,
                                                  TokenizeCompletionRequest, TokenizeResponse)
+from pagellm.entrypoints.openai.responses.objects import ResponseObject
+from pagellm.entrypoints.openai.responses.protocol import ResponsesRequest
+from pagellm.entrypoints.openai.responses.serving import DeletedResponse, OpenAIServingResponses
+from pagellm.entrypoints.openai.responses.store import ResponseStore
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -55,6 +59,7 @@ class AppState:
     settings: ServerSettings
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses
     tokenization: OpenAIServingTokenization
     admission: Admission
     drain: Drain
@@ -156,6 +161,21 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return await _respond(raw_request, _state(raw_request).chat.create_chat_completion(request))
 
 
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    """OpenAI's Responses API; `stream: true` sends its typed events."""
+    return await _respond(raw_request, _state(raw_request).responses.create(request))
+
+
+async def retrieve_response(response_id: str, raw_request: Request) -> ResponseObject:
+    """A stored response (`store: true`, OpenAI's default), while the bounded store keeps it."""
+    return _state(raw_request).responses.retrieve(response_id)
+
+
+async def delete_response(response_id: str, raw_request: Request) -> DeletedResponse:
+    """Forget a stored response."""
+    return _state(raw_request).responses.delete(response_id)
+
+
 async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest,
                    raw_request: Request) -> TokenizeResponse:
     """A prompt or chat messages to token ids, as the completion routes would see them."""
@@ -170,7 +190,10 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
 ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
     ("GET", "/health", health), ("GET", "/version", version), ("GET", "/metrics", metrics),
     ("GET", "/v1/models", list_models), ("POST", "/v1/completions", create_completion),
-    ("POST", "/v1/chat/completions", create_chat_completion), ("POST", "/tokenize", tokenize),
+    ("POST", "/v1/chat/completions", create_chat_completion),
+    ("POST", "/v1/responses", create_response), ("GET", "/v1/responses/{response_id}",
+                                                 retrieve_response),
+    ("DELETE", "/v1/responses/{response_id}", delete_response), ("POST", "/tokenize", tokenize),
     ("POST", "/detokenize", detokenize), ("GET", "/debug/kv-cache", kv_cache),
 ]
 
@@ -180,16 +203,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pagellm", version=__version__, **docs)
     serving_args = (engine, settings.model_names, settings.log_requests)
     admission = Admission(settings.limits.max_concurrent_requests)
-    app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args),
-                                 OpenAIServingChat(*serving_args, tools=settings.tools),
-                                 OpenAIServingTokenization(*serving_args), admission,
+    chat = OpenAIServingChat(*serving_args, tools=settings.tools)
+    responses = OpenAIServingResponses(chat, ResponseStore(settings.limits.responses_store_size))
+    app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args), chat,
+                                 responses, OpenAIServingTokenization(*serving_args), admission,
                                  Drain(admission, settings.limits.shutdown_timeout))
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, _guarded(endpoint), methods=[method],
-                          responses=documented_errors(method))
+                          responses=documented_errors(method, path))
         if path.startswith("/v1/"):
             app.add_api_route(KSERVE_OPENAI_PREFIX + path, _guarded(endpoint), methods=[method],
-                              responses=documented_errors(method))
+                              responses=documented_errors(method, path))
     add_engine_stats(app, engine)
     if settings.frontend:
         add_playground(app)

@@ -15,6 +15,7 @@ API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "VLLM_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20  # far above any prompt a model's context holds
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # Kubernetes' default termination grace period
+DEFAULT_RESPONSES_STORE_SIZE = 1000
 
 
 def _port(value: str) -> int:
@@ -96,6 +97,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are "
                              f"ended (default {DEFAULT_SHUTDOWN_TIMEOUT:g})")
+    parser.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE,
+                        metavar="N",
+                        help="finished /v1/responses kept for previous_response_id and GET, "
+                             "least recently used out first; 0 keeps none "
+                             f"(default {DEFAULT_RESPONSES_STORE_SIZE})")
     parser.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=1,
                         help="accepted for vLLM compatibility; only 1")
     parser.add_argument("--disable-log-requests", action="store_true",
@@ -132,6 +138,7 @@ class ServerLimits:
     max_concurrent_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
 
 @dataclass
@@ -193,7 +200,8 @@ class ServerSettings:
                    docs=not args.disable_fastapi_docs, cors=cors,
                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                    limits=ServerLimits(args.max_concurrent_requests,
-                                       args.max_request_body_bytes, args.shutdown_timeout))
+                                       args.max_request_body_bytes, args.shutdown_timeout,
+                                       args.responses_store_size))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

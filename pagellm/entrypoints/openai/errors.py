@@ -63,7 +63,8 @@ _DOCUMENTED = {
                             "or value, text that is not valid Unicode, a prompt too long for "
                             "the model's context.",
     HTTPStatus.UNAUTHORIZED: "Missing or wrong API key (when the server has one).",
-    HTTPStatus.NOT_FOUND: "A model this server does not serve.",
+    HTTPStatus.NOT_FOUND: "A model this server does not serve, or a stored response it does "
+                          "not keep.",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "The body is larger than --max-request-body-bytes.",
     HTTPStatus.TOO_MANY_REQUESTS: "More requests in flight than --max-concurrent-requests.",
     HTTPStatus.INTERNAL_SERVER_ERROR: "A fault of the server (logged with its request id).",
@@ -71,10 +72,13 @@ _DOCUMENTED = {
 }
 
 
-def documented_errors(method: str) -> dict[int | str, dict[str, Any]]:
-    """The error answers a route can give, for its OpenAPI entry."""
+def documented_errors(method: str, path: str) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for its OpenAPI entry (a path that names a
+    resource, like `/v1/responses/{response_id}`, can answer 404)."""
     statuses = list(_DOCUMENTED) if method == "POST" else [
         HTTPStatus.UNAUTHORIZED, HTTPStatus.INTERNAL_SERVER_ERROR, HTTPStatus.SERVICE_UNAVAILABLE]
+    if "{" in path and HTTPStatus.NOT_FOUND not in statuses:
+        statuses.append(HTTPStatus.NOT_FOUND)
     return {int(status): {"model": ErrorResponse, "description": _DOCUMENTED[status]}
             for status in statuses}
 

@@ -20,7 +20,7 @@ from pagellm.entrypoints.openai.response_models import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProbs, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
 from pagellm.entrypoints.openai.reasoning import reasoning_parser
-from pagellm.entrypoints.openai.serving_engine import OpenAIServing, token_logprobs
+from pagellm.entrypoints.openai.serving_engine import Job, OpenAIServing, token_logprobs
 from pagellm.entrypoints.openai.structured import requested_constraint, tool_choice_constraint
 from pagellm.entrypoints.openai.tool_parsers import ToolParserManager, parser_for_template
 from pagellm.entrypoints.openai.tool_parsers.core import ToolParser
@@ -104,9 +104,9 @@ class OpenAIServingChat(OpenAIServing):
             request.skip_special_tokens = False
         return ChatPlan(parser, max_calls, "tool_calls", requested_constraint(request))
 
-    async def create_chat_completion(self, request: ChatCompletionRequest
-                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        model = self.check_model(request.model)
+    async def prepare(self, request: ChatCompletionRequest, request_id: str
+                      ) -> tuple[ChatPlan, Job]:
+        """The request's parsing plan and its one engine job (a 400 for what cannot run)."""
         num_logprobs = request.num_logprobs
         plan = self.plan(request)
         structured = await self.constraint(plan.constraint, request.guided_decoding_backend)
@@ -116,9 +116,15 @@ class OpenAIServingChat(OpenAIServing):
                                         for tool in request.tools])
         prompt = await self.render_chat(request.messages, request.add_generation_prompt, kwargs,
                                         self.max_model_len)
+        return plan, self.make_job(request_id, prompt, request, request.requested_max_tokens,
+                                   num_logprobs, structured)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        model = self.check_model(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = [self.make_job(request_id, prompt, request, request.requested_max_tokens,
-                              num_logprobs, structured)]
+        plan, job = await self.prepare(request, request_id)
+        jobs = [job]
         outputs = [plan.choice_output(self.reasoning) for _ in range(request.n)]
         if request.stream:
             role_chunk = ChatCompletionChunk(id=request_id, model=model, choices=[

@@ -210,14 +210,14 @@ class OpenAIServing:
                         params, prompt.token_ids)
         return Job(request_id, prompt, params)
 
-    def _generate(self, jobs: list[Job]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    def generate_jobs(self, jobs: list[Job]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         return merge_streams([self.engine.generate(job.prompt, job.params, job.request_id)
                               for job in jobs])
 
     async def collect(self, jobs: list[Job]) -> list[list[SequenceResult]]:
         """Run the jobs to the end; results[job][sequence index]."""
         results = [[SequenceResult() for _ in range(job.params.n)] for job in jobs]
-        async with contextlib.aclosing(self._generate(jobs)) as outputs:
+        async with contextlib.aclosing(self.generate_jobs(jobs)) as outputs:
             async for job_index, output in outputs:
                 for completion in output.outputs:
                     results[job_index][completion.index].add(
@@ -242,7 +242,7 @@ class OpenAIServing:
         try:
             for chunk in first_chunks:
                 yield sse(chunk)
-            async with contextlib.aclosing(self._generate(jobs)) as outputs:
+            async with contextlib.aclosing(self.generate_jobs(jobs)) as outputs:
                 async for job_index, output in outputs:
                     completion_tokens += sum(len(c.token_ids) for c in output.outputs)
                     chunk = make_chunk(job_index, output)
