@@ -26,6 +26,11 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms a layer differently (ffn_norm comes before its MLP there).
+_ARCH_BLOCK_NAMES = {"gemma3_text": {**_BLOCK_NAMES,
+                                     "post_attention_norm": "post_attention_layernorm",
+                                     "ffn_norm": "pre_feedforward_layernorm",
+                                     "post_ffw_norm": "post_feedforward_layernorm"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 # Folded into `ArchConfig.rope_scaling` by `arch_from_gguf`.
@@ -33,6 +38,8 @@ _CONFIG_TENSORS = ("rope_freqs.weight",)
 # llama.cpp reorders q/k rows of these architectures for its interleaved RoPE; Qwen's
 # converters keep HF's layout.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# llama.cpp stores these architectures' norms as 1 + w, HF checkpoints (and so load_weights) as w.
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3_text",)
 
 
 def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
@@ -43,10 +50,12 @@ def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.model_type)
         if not wanted(name):
             continue
         values = _dequantized(tensor)
+        if arch.model_type in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
+            values = values - 1.0
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             if ".q_proj." in name:
                 values = _unpermute_rows(values, arch.num_attention_heads)
@@ -55,11 +64,12 @@ def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
         yield name, values
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str | None = None) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    block_names = _ARCH_BLOCK_NAMES.get(model_type or "", _BLOCK_NAMES)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     raise ValueError(f"Unexpected GGUF tensor {gguf_name!r}.")
@@ -95,7 +105,7 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.model_type)
         weight = _GROUP_READERS[tensor.tensor_type](tensor)
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             heads = (arch.num_attention_heads if ".q_proj." in name

@@ -18,6 +18,9 @@ from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import model_file_error, reading
+from pagellm.model.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
+from pagellm.model.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
+from pagellm.model.gemma3 import Gemma3ForCausalLM
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
@@ -112,9 +115,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     with reading(source, "the tokenizer does not load"):
         tok = load_tokenizer(path, tokenizer)
         chat_template = find_chat_template(source, tok)
+    eos_ids = eos_token_ids(path, tok)
+    if arch.model_type == "gemma3_text":  # a GGUF file may carry neither
+        chat_template = chat_template or GEMMA3_CHAT_TEMPLATE
+        end_of_turn = tok.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+        if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
+            eos_ids = list(dict.fromkeys([*eos_ids, end_of_turn]))
     return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=chat_template,
-                       path=path, weights_seconds=seconds,
-                       eos_token_ids=eos_token_ids(path, tok))
+                       path=path, weights_seconds=seconds, eos_token_ids=eos_ids)
 
 
 def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
@@ -241,8 +249,9 @@ def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> L
     Building on the meta device skips the random initialization, which would
     dominate the load time.
     """
+    model_class = Gemma3ForCausalLM if arch.model_type == "gemma3_text" else LlamaForCausalLM
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch)
+        net = model_class(arch)
     net = net.to(dtype=dtype).to_empty(device=device)
     return net.eval().requires_grad_(False)
 
