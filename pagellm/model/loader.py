@@ -27,6 +27,7 @@ from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
 from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.packaged import packaged_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -59,10 +60,13 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A local HF folder (with config.json) or .gguf file; None means the default model."""
+    """A local HF folder (with config.json) or .gguf file, or a packaged model's short name
+    (packaged.py); None means the default model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and (packaged := packaged_model_path(model)) is not None:
+        return packaged
     if not path.exists():
         raise model_file_error(path, "no such file or folder (weights cannot be downloaded "
                                      "here; pass a local Hugging Face model folder or a .gguf "
