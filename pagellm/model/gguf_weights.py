@@ -93,8 +93,8 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """The Q4_0 / Q4_1 / Q4_K / Q5_K / Q8_0 matrices as codes with per-32-column scales,
-    under HF names.
+    """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 matrices as codes with per-32-column
+    scales, under HF names (Q6_K's scales are per 16 columns: it is dequantized to float).
 
     Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
     Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
@@ -150,6 +150,25 @@ def _q8_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
                             zeros=None, bits=8)
 
 
+def _q5_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 32 weights: fp16 d (Q5_1: then fp16 m), 4 bytes whose bit j is the fifth bit
+    of code j, then Q4_0's 16 bytes of low nibbles. Q5_0 stores `d * (code - 16)`, kept as
+    signed 8-bit codes; Q5_1 `d * code + m`, as 8-bit codes 0..31 with zeros m."""
+    with_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q5_1
+    header = 4 if with_min else 2
+    blocks, rows, cols = _blocks(tensor, header + 4, 16)
+    scale = _fp16(blocks, 0)
+    high = blocks[:, header:header + 4].copy().view("<u4")  # [blocks, 1]
+    high_bits = (high >> np.arange(32, dtype=np.uint32)[None, :]) & 1
+    packed = blocks[:, -16:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1) | (high_bits << 4)
+    codes = codes.astype(np.int8) if with_min else (codes.astype(np.int16) - 16).astype(np.int8)
+    zeros = torch.from_numpy(_fp16(blocks, 2).reshape(rows, cols // 32)) if with_min else None
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=zeros, bits=8)
+
+
 def _k_scales_and_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A K-quant block's fp16 d and dmin, then 12 bytes holding 8 six-bit scales and 8
     six-bit mins (groups 0-3 in the low 6 bits of bytes 0-3 and 4-7; groups 4-7 with their
@@ -197,4 +216,23 @@ _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_1: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_K: _q4_k_groups,
                   gguf.GGMLQuantizationType.Q5_K: _q5_k_groups,
+                  gguf.GGMLQuantizationType.Q5_0: _q5_groups,
+                  gguf.GGMLQuantizationType.Q5_1: _q5_groups,
                   gguf.GGMLQuantizationType.Q8_0: _q8_groups}
+
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16)
+# Read through gguf-py's reference dequantizer into float weights at load time.
+_DEQUANTIZED_TYPES = (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
+                      gguf.GGMLQuantizationType.Q6_K)
+READABLE_TYPES = (*_FLOAT_TYPES, *_GROUP_READERS, *_DEQUANTIZED_TYPES)
+
+
+def check_tensor_types(reader: gguf.GGUFReader) -> None:
+    """Fail on the first tensor of a type pagellm does not read, naming it and the type."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in READABLE_TYPES:
+            names = ", ".join(kind.name for kind in READABLE_TYPES)
+            raise ValueError(f"tensor {tensor.name!r} has the GGUF type "
+                             f"{tensor.tensor_type.name}, which pagellm does not read "
+                             f"(it reads {names})")

@@ -21,7 +21,7 @@ from pagellm.model.errors import model_file_error, reading
 from pagellm.model.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from pagellm.model.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from pagellm.model.gemma3 import Gemma3ForCausalLM
-from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.gguf_weights import check_tensor_types, gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
@@ -133,7 +133,9 @@ def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
     with reading(path, "not a readable GGUF file (truncated or corrupt)"):
         reader = gguf.GGUFReader(path)
     with reading(path, "unsupported model"):
-        return reader, arch_from_gguf(reader)
+        arch = arch_from_gguf(reader)
+        check_tensor_types(reader)
+        return reader, arch
 
 
 def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
