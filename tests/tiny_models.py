@@ -66,6 +66,13 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+    # four experts, two a token: Mixtral renormalizes their weights; this Qwen3-MoE does not
+    # and keeps a dense MLP in its second layer
+    "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                     "mlp_only_layers": [1]}),
     # six layers: five sliding-window ones (a window of 8, shorter than the prompts) and a
     # global one with linear RoPE scaling; a softcap and an attention scale not 1/sqrt(d)
     "gemma3_text": ("Gemma3TextConfig", {

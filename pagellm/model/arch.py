@@ -19,7 +19,8 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
+                         "qwen3_moe")
 # GGUF `general.architecture` names that differ from the HF model type
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
@@ -53,6 +54,14 @@ class ArchConfig:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (moe.py): experts per MoE layer (0: a dense model), experts each
+    # token runs, their hidden size, whether the chosen experts' weights are renormalized to
+    # sum to 1, and the layers that keep a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    dense_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -78,6 +87,9 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
     if model_type == "gemma3_text":
         from pagellm.model.gemma3 import gemma3_arch_from_hf_config
         return gemma3_arch_from_hf_config(config)
+    if model_type in ("mixtral", "qwen3_moe"):
+        from pagellm.model.moe import moe_arch_from_hf_config
+        return moe_arch_from_hf_config(config)
     if config.get("mlp_bias"):
         raise ValueError("Models with mlp_bias=True are not supported.")
     num_heads = config["num_attention_heads"]

@@ -27,6 +27,7 @@ from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
 from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.moe import MoeForCausalLM
 from pagellm.model.packaged import packaged_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
@@ -255,7 +256,8 @@ def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> L
     Building on the meta device skips the random initialization, which would
     dominate the load time.
     """
-    model_class = Gemma3ForCausalLM if arch.model_type == "gemma3_text" else LlamaForCausalLM
+    model_class = (Gemma3ForCausalLM if arch.model_type == "gemma3_text" else
+                   MoeForCausalLM if arch.num_experts else LlamaForCausalLM)
     with torch.device("meta"):
         net = model_class(arch)
     net = net.to(dtype=dtype).to_empty(device=device)
