@@ -9,13 +9,11 @@ model, not an instruction-tuned one: its continuations are compared, not judged.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from test_models import PagedCache, greedy_decode, reference_greedy, reference_last_logits
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, PreTrainedModel
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from test_models import assert_matches_reference, transformers_gguf_model
+from transformers import Gemma3TextConfig, PreTrainedModel
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import LoadedModel, load_model, resolve_model_path
@@ -46,24 +44,17 @@ def loaded(gemma3_gguf: Path) -> LoadedModel:
 
 
 def transformers_gemma3(path: Path, arch: ArchConfig) -> tuple[PreTrainedModel, dict]:
-    """transformers' dequantization and renaming of the file into its Gemma 3 model (as
-    test_models.transformers_gguf_model does for Llama), and the config it parsed."""
+    """transformers' load of the file into its Gemma 3 model, and the config it parsed."""
     config = Gemma3TextConfig(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
         sliding_window=arch.sliding_window, max_position_embeddings=arch.max_position_embeddings)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    flat = SimpleNamespace(config=model.config, state_dict=model.state_dict,
-                           named_children=list)
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=flat)
-    model.load_state_dict(parsed["tensors"], strict=False, assign=True)
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model, parsed = transformers_gguf_model(path, arch, config)
+    # a buffer outside the file, left on the meta device by the skeleton
     model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
-    return model.eval(), parsed["config"]
+    return model, parsed
 
 
 def test_short_name_serves_the_packaged_file(gemma3_gguf: Path) -> None:
@@ -90,11 +81,5 @@ def test_greedy_tokens_match_transformers(gemma3_gguf: Path, loaded: LoadedModel
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     chat = apply_chat_template(loaded.tokenizer, messages, loaded.chat_template)
     prompts = [chat, loaded.tokenizer.encode("The capital of France is")]
-    cache = PagedCache(loaded.arch, num_blocks=64, block_size=16)
-    logits = cache.step(loaded.model, list(enumerate(prompts)))
-    for row, prompt in zip(logits, prompts):
-        torch.testing.assert_close(row, reference_last_logits(ref, prompt), atol=2e-3, rtol=1e-4)
-    generated = greedy_decode(cache, loaded.model, logits, 16)
-    for ours, prompt in zip(generated, prompts):
-        expected = reference_greedy(ref, prompt, 16)
-        assert ours[:len(expected)] == expected
+    compared = assert_matches_reference(loaded, ref, prompts, 16, atol=2e-3, block_size=16)
+    assert sum(map(len, compared)) > 16
