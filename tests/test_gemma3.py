@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_models import PROMPTS, PagedCache, assert_matches_transformers, reference_last_logits
 from tiny_models import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
+from pagellm.kernels import cpu_kernels_available, gelu_tanh_and_mul
 from pagellm.model.gemma3 import CHAT_TEMPLATE, FULL, SLIDING
 from pagellm.model.loader import load_model
 from pagellm.tokenizer import apply_chat_template
@@ -75,3 +77,18 @@ def test_builtin_chat_template(tiny_gemma3_dir: Path) -> None:
     assert text.endswith("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
                          "<start_of_turn>model\nHello<end_of_turn>\n"
                          "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gelu_tanh_kernel_matches_torch(dtype: torch.dtype) -> None:
+    """GeGLU's fused activation, extremes included, against torch's tanh GELU times up, each
+    rounded to the dtype where torch rounds."""
+    gate = torch.cat([torch.randn(4, 60) * 3, torch.tensor([[-1e4, -30.0, -3.0, -1e-4]] * 4)], 1)
+    up = torch.randn_like(gate)
+    gate_up = torch.cat([gate, up], dim=1).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2,
+                                                                             "rtol": 1e-2}
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up), expected, **tolerance)

@@ -152,6 +152,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> gelu(gate, approximate="tanh") * up [T, I]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.pagellm.gelu_tanh_and_mul(out, gate_up)
+    return out
+
+
 def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, bits: int, out_features: int,
                      panels_only: bool = False) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import gelu_tanh_and_mul, use_cpu_kernels
 from pagellm.model.arch import ArchConfig, gguf_field, gguf_rope_scaling, hf_rope
 from pagellm.model.attention import AttentionMetadata
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -138,7 +139,10 @@ class GeGLUMLP(GatedMLP):
     """`down(gelu_tanh(gate(x)) * up(x))`, gate and up fused as in the SwiGLU MLP."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_cpu_kernels(gate_up):
+            return self.down_proj(gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
