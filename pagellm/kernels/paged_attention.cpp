@@ -43,15 +43,24 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Calls visit(block index, first cache slot, count) for each block of a block table
-// holding the first seq_len tokens.
+// Calls visit(block index counted from the first visited, first cache slot, count) for each
+// block of a block table holding keys first_key .. seq_len - 1 (first_key 0: every block
+// from the first; past 0, a sliding window, which starts inside its first block).
 template <typename Visit>
-inline void for_each_block(const int64_t* table, int64_t seq_len, int64_t block_size,
-                           Visit&& visit) {
+inline void for_each_block(const int64_t* table, int64_t first_key, int64_t seq_len,
+                           int64_t block_size, Visit&& visit) {
+  const int64_t first_block = first_key / block_size;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  for (int64_t b = 0, start = 0; b < num_blocks; ++b, start += block_size) {
-    visit(b, table[b] * block_size, std::min(block_size, seq_len - start));
+  for (int64_t b = first_block; b < num_blocks; ++b) {
+    const int64_t start = std::max(b * block_size, first_key);
+    const int64_t end = std::min((b + 1) * block_size, seq_len);
+    visit(b - first_block, table[b] * block_size + start - b * block_size, end - start);
   }
+}
+
+// The first key a query at position seq_len - 1 sees: 0, or the start of its window.
+inline int64_t first_visible_key(int64_t seq_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
 }
 
 // widen(out, rows, n) (unless out is null), requesting the same bytes of `next` (unless
@@ -208,7 +217,8 @@ bool add_weighted_block(Running* heads, const float* weights, int64_t stride, co
 // loops); 0 reads it from the shape.
 template <typename T, typename C, int64_t kDim>
 void attend_one(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
-                int64_t seq_len, const Shape& s, float scale, std::vector<float>& scratch,
+                int64_t first_key, int64_t seq_len, const Shape& s, float scale,
+                std::vector<float>& scratch,
                 std::vector<Running>& heads, const C* const* sequence, int64_t layer_stride) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = kDim > 0 ? kDim : s.head_dim;
   const int64_t bs = s.block_size, padded = (bs + 7) / 8 * 8;
@@ -223,7 +233,7 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
   for (int64_t g = 0; g < group; ++g) heads[g] = {-INFINITY, 0.f, weighted + g * d};
   for (int64_t i = 0; i < group * d; ++i) q[i] = load(query, i) * scale;
   // sequence: the keys of this item's blocks, then of the thread's next kKeysAhead (or null)
-  for_each_block(table, seq_len, bs, [&](int64_t b, int64_t slot, int64_t count) {
+  for_each_block(table, first_key, seq_len, bs, [&](int64_t b, int64_t slot, int64_t count) {
     const C* unrequested_keys = sequence[b + kKeysAhead];
     const C* next_values = sequence[b + 1] == nullptr ? nullptr : sequence[b + 1] + layer_stride;
     if (!score_with_dot_instruction<T, C, kDim>(scores, bs, query, keys + slot * d, count, group,
@@ -259,7 +269,7 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
 template <typename T, typename C, int64_t kDim>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
-         float scale) {
+         float scale, int64_t window) {
   const int64_t num_requests = query.size(0), group = s.num_heads / s.num_kv_heads;
   const int64_t layer_stride = s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim;
   const int64_t head_stride = s.num_blocks * s.block_size * s.head_dim;
@@ -272,12 +282,17 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
     std::vector<float> scratch;
     std::vector<Running> heads;
     std::vector<const C*> sequence;
-    auto blocks_of = [&](int64_t item) {
-      return (lens[item / s.num_kv_heads] + s.block_size - 1) / s.block_size;
+    auto first_block_of = [&](int64_t item) {
+      return first_visible_key(lens[item / s.num_kv_heads], window) / s.block_size;
+    };
+    auto blocks_of = [&](int64_t item) {  // the blocks it reads
+      return (lens[item / s.num_kv_heads] + s.block_size - 1) / s.block_size -
+             first_block_of(item);
     };
     auto keys_of = [&](int64_t item, int64_t b) {  // (its values follow one layer_stride on)
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
-      return cache + h * head_stride + tables[n * s.max_blocks + b] * s.block_size * s.head_dim;
+      const int64_t block = tables[n * s.max_blocks + first_block_of(item) + b];
+      return cache + h * head_stride + block * s.block_size * s.head_dim;
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
@@ -294,7 +309,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
       sequence.resize(wanted, nullptr);
       attend_one<T, C, kDim>(o + offset, q + offset, cache + h * head_stride,
                              cache + layer_stride + h * head_stride, tables + n * s.max_blocks,
-                             lens[n], s, scale, scratch, heads, sequence.data(), layer_stride);
+                             first_visible_key(lens[n], window), lens[n], s, scale, scratch,
+                             heads, sequence.data(), layer_stride);
     }
   });
 }
@@ -302,19 +318,20 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
 template <typename T, typename C>
 void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
-                  float scale) {
+                  float scale, int64_t window) {
   switch (s.head_dim) {
-    case 64: run<T, C, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
-    case 128: run<T, C, 128>(out, query, kv_cache, block_tables, seq_lens, s, scale); break;
-    default: run<T, C, 0>(out, query, kv_cache, block_tables, seq_lens, s, scale);
+    case 64: run<T, C, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale, window); break;
+    case 128: run<T, C, 128>(out, query, kv_cache, block_tables, seq_lens, s, scale, window); break;
+    default: run<T, C, 0>(out, query, kv_cache, block_tables, seq_lens, s, scale, window);
   }
 }
 
 // out, query: [N, H, D] of one dtype; kv_cache: [2, KVH, num_blocks, block_size, D] of any;
-// block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (keys visible to each query).
+// block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (keys known to each query);
+// window > 0: each query sees only its last `window` keys (sliding-window attention).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous() &&
                   block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention expects contiguous tensors");
@@ -331,7 +348,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   pagellm::dispatch_dtype(query, "paged_decode_attention", [&](auto query_tag) {
     pagellm::dispatch_cache_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
       dispatch_dim<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables,
-                                                             seq_lens, s, f);
+                                                             seq_lens, s, f, window);
     });
   });
 }
@@ -340,7 +357,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

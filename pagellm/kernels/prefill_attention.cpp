@@ -16,7 +16,11 @@
 // as a decode, in a chunk of any size, or recomputed (the batch-invariant engine sends
 // decodes here too).
 // Keys past a row's position are masked only in the blocks that hold some (the diagonal);
-// blocks past the item's last position are never read. Everything computes in float32.
+// blocks past the item's last position are never read. With a sliding window of W keys, a
+// row sees only positions pos - W + 1 .. pos: blocks before the item's first row's window
+// are never read, and keys before a row's window are masked like keys past its position
+// (a block that holds none of a row's keys leaves its sums at exactly 0, so a row's result
+// still does not depend on the rows that share its item). Everything computes in float32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -133,9 +137,11 @@ struct Scratch {
 };
 
 // Folds one block's scores (`count` keys from position `first_key`) into the running
-// softmax: masks keys past each row's position when `masked`, turns scores into weights
-// relative to the new maximum, and leaves each row's rescaling of its past in `correction`.
-void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool masked) {
+// softmax: masks keys past each row's position, or `window` or more before it, when
+// `masked`, turns scores into weights relative to the new maximum, and leaves each row's
+// rescaling of its past in `correction` (1 while a row has seen no key of its window).
+void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool masked,
+                float window) {
   float* s = w.scores.data();
   float *mx = w.block_max.data(), *m = w.max.data(), *l = w.sum.data();
   const float* pos = w.position.data();
@@ -146,14 +152,14 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
     const float key = first_key + static_cast<float>(j);
 #pragma omp simd
     for (int64_t r = 0; r < rows; ++r) {
-      const float score = masked && key > pos[r] ? -INFINITY : row[r];
+      const float score = masked && (key > pos[r] || key <= pos[r] - window) ? -INFINITY : row[r];
       row[r] = score;
       mx[r] = score > mx[r] ? score : mx[r];
     }
   }
 #pragma omp simd
   for (int64_t r = 0; r < rows; ++r) {
-    w.correction[r] = exp_nonpositive(m[r] - mx[r]);
+    w.correction[r] = mx[r] == -INFINITY ? 1.f : exp_nonpositive(m[r] - mx[r]);
     l[r] *= w.correction[r];
     m[r] = mx[r];
   }
@@ -174,7 +180,7 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
 template <typename T, typename C, int kVecs>
 void attend_item(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
                  int64_t seq_len, int64_t query_len, int64_t first, const Shape& s, float scale,
-                 Scratch& w) {
+                 int64_t window, Scratch& w) {
   constexpr int64_t kLanes = kVecs * kWidth;
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t tokens = std::min(kItemTokens, query_len - first);
@@ -189,7 +195,11 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
     w.position[r] = static_cast<float>(first_position + t);
   }
   const int64_t visible = first_position + tokens;  // keys the item's last token sees
-  for (int64_t b = 0; b * bs < visible; ++b) {
+  // the first key its first token sees, and the first that every token sees
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_position - window + 1) : 0;
+  const int64_t all_see = window > 0 ? visible - window : 0;
+  const float window_keys = window > 0 ? static_cast<float>(window) : INFINITY;
+  for (int64_t b = lowest / bs; b * bs < visible; ++b) {
     const int64_t count = std::min(bs, visible - b * bs), slot = table[b] * bs;
     widen(w.keys.data(), keys + slot * d, count * d);
     widen(w.values.data(), values + slot * d, count * d);
@@ -199,7 +209,8 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
         score_tile<kVecs>(w.scores.data() + j0 * rows, w.keys.data() + j0 * d, w.qt.data(), d, rows, r0);
       }
     }
-    fold_block(w, rows, count, static_cast<float>(b * bs), b * bs + count - 1 > first_position);
+    fold_block(w, rows, count, static_cast<float>(b * bs),
+               b * bs + count - 1 > first_position || b * bs < all_see, window_keys);
     for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
       for (int64_t i0 = 0; i0 < d; i0 += kTile) {
         accumulate_tile<kVecs>(w.ot.data(), w.values.data(), w.scores.data(), w.correction.data(),
@@ -218,7 +229,7 @@ template <typename T, typename C>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens,
          const at::Tensor& query_starts, const at::Tensor& query_lens, const Shape& s,
-         float scale) {
+         float scale, int64_t window) {
   const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
   const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
   const int64_t layer_stride = s.num_kv_heads * head_stride;
@@ -253,7 +264,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
              q + starts[n] * s.query_row_stride + h * group * s.head_dim,
              cache + h * head_stride, cache + layer_stride + h * head_stride,
              tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s, scale,
-             scratch);
+             window, scratch);
     }
   });
 }
@@ -261,11 +272,11 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
 // out: [sum(query_lens), H * D], the chunks in request order; query: [T, H, D] with unit
 // strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
 // block_tables: [N, max_blocks]; seq_lens, query_starts (row of each chunk's first query),
-// query_lens: [N], all int64.
+// query_lens: [N], all int64; window > 0: each query sees only its last `window` keys.
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             double scale) {
+                             double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
               "paged_prefill_attention: unexpected ranks");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
@@ -284,7 +295,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   pagellm::dispatch_dtype(query, "paged_prefill_attention", [&](auto query_tag) {
     pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
       run<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens,
-                                                    query_starts, query_lens, s, f);
+                                                    query_starts, query_lens, s, f, window);
     });
   });
 }
@@ -295,7 +306,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, "
-        "float scale) -> ()");
+        "float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {

@@ -1,8 +1,9 @@
-"""Architecture description shared by the four supported decoder families.
+"""Architecture description shared by the supported decoder families.
 
 Llama, Mistral, Qwen2 and Qwen3 differ only in a few switches (q/k/v bias,
 per-head q/k norm, RoPE scaling), so one `ArchConfig` read from either an HF
-`config.json` or GGUF metadata drives a single model class.
+`config.json` or GGUF metadata drives a single model class. Gemma 3 adds its
+sliding-window layers and its own scales (read in gemma3.py, modelled there).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
+                         "qwen3_moe")
+# GGUF `general.architecture` names that differ from the HF model type
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -42,6 +46,22 @@ class ArchConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
+    # Gemma 3: keys a sliding-window layer sees, each layer's "sliding_attention" or
+    # "full_attention", the RoPE base of the sliding layers, the attention scale's
+    # denominator and the tanh cap of the logits (None: not used)
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (moe.py): experts per MoE layer (0: a dense model), experts each
+    # token runs, their hidden size, whether the chosen experts' weights are renormalized to
+    # sum to 1, and the layers that keep a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    dense_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -64,10 +84,16 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
     """Read a `config.json` dict (transformers 4 or 5 layout)."""
     model_type = config.get("model_type")
     check_model_type(model_type)
+    if model_type == "gemma3_text":
+        from pagellm.model.gemma3 import gemma3_arch_from_hf_config
+        return gemma3_arch_from_hf_config(config)
+    if model_type in ("mixtral", "qwen3_moe"):
+        from pagellm.model.moe import moe_arch_from_hf_config
+        return moe_arch_from_hf_config(config)
     if config.get("mlp_bias"):
         raise ValueError("Models with mlp_bias=True are not supported.")
     num_heads = config["num_attention_heads"]
-    rope_theta, rope_scaling = _hf_rope(config)
+    rope_theta, rope_scaling = hf_rope(config)
     bias = bool(config.get("attention_bias", False))
     return ArchConfig(
         model_type=model_type,
@@ -91,9 +117,13 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
     )
 
 
-def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """transformers 5 nests RoPE in `rope_parameters`; 4 used `rope_theta` + `rope_scaling`."""
+def hf_rope(config: dict[str, Any], layer_type: str | None = None
+             ) -> tuple[float, dict[str, Any] | None]:
+    """transformers 5 nests RoPE in `rope_parameters` (per layer type where layers differ, as
+    Gemma 3's); 4 used `rope_theta` + `rope_scaling`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if layer_type is not None and layer_type in params:
+        params = dict(params[layer_type])
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
@@ -115,48 +145,52 @@ def _hf_max_positions(config: dict[str, Any]) -> int:
 
 def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
     """Read llama.cpp metadata (`{arch}.block_count`, ...) into an `ArchConfig`."""
-    arch = _field(reader, "general.architecture")
-    check_model_type(arch)
+    arch = gguf_field(reader, "general.architecture")
+    check_model_type(_GGUF_MODEL_TYPES.get(arch, arch))
+    if arch == "gemma3":
+        from pagellm.model.gemma3 import gemma3_arch_from_gguf
+        return gemma3_arch_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     return ArchConfig(
         model_type=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(gguf_field(reader, f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(reader, arch, tensors.get("rope_freqs.weight")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        num_key_value_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=gguf_rope_scaling(reader, arch, tensors.get("rope_freqs.weight")),
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         o_proj_bias="blk.0.attn_output.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
-        eos_token_id=_optional_int(_field(reader, "tokenizer.ggml.eos_token_id", None)),
+        bos_token_id=_optional_int(gguf_field(reader, "tokenizer.ggml.bos_token_id", None)),
+        eos_token_id=_optional_int(gguf_field(reader, "tokenizer.ggml.eos_token_id", None)),
     )
 
 
-def _gguf_rope_scaling(reader: gguf.GGUFReader, arch: str,
+def gguf_rope_scaling(reader: gguf.GGUFReader, arch: str,
                        freqs: gguf.ReaderTensor | None) -> dict[str, Any] | None:
     """llama.cpp bakes Llama 3 scaling into a `rope_freqs` tensor of per-frequency divisors."""
     if freqs is not None:
         factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
         return {"rope_type": "freq_factors", "factors": factors.tolist()}
-    if _field(reader, f"{arch}.rope.scaling.type", "none") != "linear":
+    if gguf_field(reader, f"{arch}.rope.scaling.type", "none") != "linear":
         return None
-    return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor"))
+    return {"rope_type": "linear", "factor": factor}
 
 
 _MISSING = object()
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
     field = reader.get_field(key)
     if field is None:
         if default is _MISSING:

@@ -16,7 +16,7 @@ preemption (the decode kernel sums in another order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,8 +49,24 @@ class AttentionGroup:
     token_index: torch.Tensor  # flat token index of each real slot, same order
     query_starts: torch.Tensor  # [B] flat token index of each request's first query
     query_lens: torch.Tensor  # [B]
+    block_size: int
     all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
     prefill_kernel: bool = False  # single queries too go through the prefill kernel
+    # torch ops' masks of sliding-window layers, by window size, built on first use
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The mask of a layer whose queries see only their last `window` keys (0: all)."""
+        if window <= 0:
+            return self.mask
+        if window not in self.window_masks:
+            num_keys = self.block_tables.shape[1] * self.block_size
+            key_pos = torch.arange(num_keys, device=self.seq_lens.device)
+            offsets = torch.arange(self.query_index.shape[1], device=self.seq_lens.device)
+            query_pos = (self.seq_lens - self.query_lens)[:, None] + offsets[None, :]
+            delta = query_pos[:, :, None] - key_pos[None, None, :]
+            self.window_masks[window] = ((delta >= 0) & (delta < window))[:, None]
+        return self.window_masks[window]
 
 
 @dataclass
@@ -130,6 +146,7 @@ def _build_group(
         token_index=torch.from_numpy(token_index).to(device),
         query_starts=torch.from_numpy(starts).to(device),
         query_lens=torch.from_numpy(q_lens).to(device),
+        block_size=block_size,
         all_tokens_in_order=bool(np.array_equal(token_index, np.arange(sum(query_lens)))),
     )
 
@@ -177,45 +194,49 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] -> [T, H * D]."""
+    """query [T, H, D], key/value [T, KVH, D] -> [T, H * D]; with a `window` (sliding-window
+    layers), each query sees only its last `window` keys."""
     write_kv(kv_cache, key, value, metadata.slot_mapping)
     if len(metadata.groups) == 1 and metadata.groups[0].all_tokens_in_order:
-        return _attend_group(query, kv_cache, metadata.groups[0], scale)
+        return _attend_group(query, kv_cache, metadata.groups[0], scale, window)
     num_tokens, num_heads, head_dim = query.shape
     out = query.new_empty(num_tokens, num_heads * head_dim)
     for group in metadata.groups:
-        out.index_copy_(0, group.token_index, _attend_group(query, kv_cache, group, scale))
+        out.index_copy_(0, group.token_index,
+                        _attend_group(query, kv_cache, group, scale, window))
     return out
 
 
 def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     if max_q == 1 and use_cpu_kernels(kv_cache) and not group.prefill_kernel:
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
-                                      scale)
+                                      scale, window)
     if ((max_q > 1 or group.prefill_kernel) and use_cpu_kernels(kv_cache)
             and prefill_attention_available()):
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
                                        group.query_starts, group.query_lens,
-                                       group.token_index.numel(), scale)
+                                       group.token_index.numel(), scale, window)
     kv = kv_cache[:, :, group.block_tables]  # [2, KVH, B, blocks, block_size, D]
     kv = kv.view(2, num_kv_heads, num_reqs, -1, head_dim).to(query.dtype)  # [2, KVH, B, L, D]
+    mask = group.mask_for(window)
     if max_q == 1:
-        return _attend_decode(query[group.token_index], kv, group.mask, scale)
+        return _attend_decode(query[group.token_index], kv, mask, scale)
     q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
     kv = kv.transpose(1, 2)  # [2, B, KVH, L, D]
-    if group.mask is None:
+    if mask is None:
         # Prompts from position 0: keys past max_q are never visible, and with as many keys
         # as queries is_causal means the same on every backend. Without a mask, the fused
         # kernel skips key blocks past each query block: at 2048 tokens, 81 ms a layer on
         # 2 cores instead of 145 ms.
         kv = kv[..., :max_q, :]
-    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=group.mask, scale=scale,
-                                         is_causal=group.mask is None, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale,
+                                         is_causal=mask is None, enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_reqs * max_q, -1)
     return out[group.valid_slots]
 

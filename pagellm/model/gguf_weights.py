@@ -26,6 +26,11 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms a layer differently (ffn_norm comes before its MLP there).
+_ARCH_BLOCK_NAMES = {"gemma3_text": {**_BLOCK_NAMES,
+                                     "post_attention_norm": "post_attention_layernorm",
+                                     "ffn_norm": "pre_feedforward_layernorm",
+                                     "post_ffw_norm": "post_feedforward_layernorm"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 # Folded into `ArchConfig.rope_scaling` by `arch_from_gguf`.
@@ -33,6 +38,8 @@ _CONFIG_TENSORS = ("rope_freqs.weight",)
 # llama.cpp reorders q/k rows of these architectures for its interleaved RoPE; Qwen's
 # converters keep HF's layout.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# llama.cpp stores these architectures' norms as 1 + w, HF checkpoints (and so load_weights) as w.
+_NORM_PLUS_ONE_ARCHITECTURES = ("gemma3_text",)
 
 
 def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
@@ -43,10 +50,12 @@ def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.model_type)
         if not wanted(name):
             continue
         values = _dequantized(tensor)
+        if arch.model_type in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
+            values = values - 1.0
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             if ".q_proj." in name:
                 values = _unpermute_rows(values, arch.num_attention_heads)
@@ -55,11 +64,12 @@ def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
         yield name, values
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str | None = None) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    block_names = _ARCH_BLOCK_NAMES.get(model_type or "", _BLOCK_NAMES)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     raise ValueError(f"Unexpected GGUF tensor {gguf_name!r}.")
@@ -83,8 +93,8 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """The Q4_0 / Q4_1 / Q4_K / Q5_K / Q8_0 matrices as codes with per-32-column scales,
-    under HF names.
+    """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 matrices as codes with per-32-column
+    scales, under HF names (Q6_K's scales are per 16 columns: it is dequantized to float).
 
     Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
     Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
@@ -95,7 +105,7 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.model_type)
         weight = _GROUP_READERS[tensor.tensor_type](tensor)
         if arch.model_type in _PERMUTED_ARCHITECTURES:
             heads = (arch.num_attention_heads if ".q_proj." in name
@@ -138,6 +148,25 @@ def _q8_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
     return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
                             scales=torch.from_numpy(_fp16(blocks, 0).reshape(rows, cols // 32)),
                             zeros=None, bits=8)
+
+
+def _q5_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 32 weights: fp16 d (Q5_1: then fp16 m), 4 bytes whose bit j is the fifth bit
+    of code j, then Q4_0's 16 bytes of low nibbles. Q5_0 stores `d * (code - 16)`, kept as
+    signed 8-bit codes; Q5_1 `d * code + m`, as 8-bit codes 0..31 with zeros m."""
+    with_min = tensor.tensor_type == gguf.GGMLQuantizationType.Q5_1
+    header = 4 if with_min else 2
+    blocks, rows, cols = _blocks(tensor, header + 4, 16)
+    scale = _fp16(blocks, 0)
+    high = blocks[:, header:header + 4].copy().view("<u4")  # [blocks, 1]
+    high_bits = (high >> np.arange(32, dtype=np.uint32)[None, :]) & 1
+    packed = blocks[:, -16:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1) | (high_bits << 4)
+    codes = codes.astype(np.int8) if with_min else (codes.astype(np.int16) - 16).astype(np.int8)
+    zeros = torch.from_numpy(_fp16(blocks, 2).reshape(rows, cols // 32)) if with_min else None
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=zeros, bits=8)
 
 
 def _k_scales_and_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -187,4 +216,23 @@ _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_1: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_K: _q4_k_groups,
                   gguf.GGMLQuantizationType.Q5_K: _q5_k_groups,
+                  gguf.GGMLQuantizationType.Q5_0: _q5_groups,
+                  gguf.GGMLQuantizationType.Q5_1: _q5_groups,
                   gguf.GGMLQuantizationType.Q8_0: _q8_groups}
+
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16)
+# Read through gguf-py's reference dequantizer into float weights at load time.
+_DEQUANTIZED_TYPES = (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
+                      gguf.GGMLQuantizationType.Q6_K)
+READABLE_TYPES = (*_FLOAT_TYPES, *_GROUP_READERS, *_DEQUANTIZED_TYPES)
+
+
+def check_tensor_types(reader: gguf.GGUFReader) -> None:
+    """Fail on the first tensor of a type pagellm does not read, naming it and the type."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in READABLE_TYPES:
+            names = ", ".join(kind.name for kind in READABLE_TYPES)
+            raise ValueError(f"tensor {tensor.name!r} has the GGUF type "
+                             f"{tensor.tensor_type.name}, which pagellm does not read "
+                             f"(it reads {names})")

@@ -42,6 +42,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.window = 0  # > 0: a sliding-window layer, whose queries see that many keys
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, output_rows: torch.Tensor | None = None
@@ -61,7 +62,7 @@ class Attention(nn.Module):
             rotate_(qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim), angles)
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale)
+        out = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale, window=self.window)
         return self.o_proj(out if output_rows is None else out[output_rows])
 
 
@@ -119,10 +120,11 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's, except the fused `qkv_proj` and `gate_up_proj`."""
 
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, decoder: nn.Module | None = None) -> None:
+        """`decoder`: another family's decoder with the same interface (Gemma 3's)."""
         super().__init__()
         self.arch = arch
-        self.model = DecoderModel(arch)
+        self.model = DecoderModel(arch) if decoder is None else decoder
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -18,12 +18,17 @@ from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import model_file_error, reading
-from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
+from pagellm.model.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
+from pagellm.model.gemma3 import Gemma3ForCausalLM
+from pagellm.model.gguf_weights import check_tensor_types, gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
 from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.moe import MoeForCausalLM
+from pagellm.model.packaged import packaged_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
 from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
 
@@ -56,10 +61,13 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A local HF folder (with config.json) or .gguf file; None means the default model."""
+    """A local HF folder (with config.json) or .gguf file, or a packaged model's short name
+    (packaged.py); None means the default model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and (packaged := packaged_model_path(model)) is not None:
+        return packaged
     if not path.exists():
         raise model_file_error(path, "no such file or folder (weights cannot be downloaded "
                                      "here; pass a local Hugging Face model folder or a .gguf "
@@ -112,16 +120,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     with reading(source, "the tokenizer does not load"):
         tok = load_tokenizer(path, tokenizer)
         chat_template = find_chat_template(source, tok)
+    eos_ids = eos_token_ids(path, tok)
+    if arch.model_type == "gemma3_text":  # a GGUF file may carry neither
+        chat_template = chat_template or GEMMA3_CHAT_TEMPLATE
+        end_of_turn = tok.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+        if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
+            eos_ids = list(dict.fromkeys([*eos_ids, end_of_turn]))
     return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=chat_template,
-                       path=path, weights_seconds=seconds,
-                       eos_token_ids=eos_token_ids(path, tok))
+                       path=path, weights_seconds=seconds, eos_token_ids=eos_ids)
 
 
 def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
     with reading(path, "not a readable GGUF file (truncated or corrupt)"):
         reader = gguf.GGUFReader(path)
     with reading(path, "unsupported model"):
-        return reader, arch_from_gguf(reader)
+        arch = arch_from_gguf(reader)
+        check_tensor_types(reader)
+        return reader, arch
 
 
 def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.device,
@@ -241,8 +256,10 @@ def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> L
     Building on the meta device skips the random initialization, which would
     dominate the load time.
     """
+    model_class = (Gemma3ForCausalLM if arch.model_type == "gemma3_text" else
+                   MoeForCausalLM if arch.num_experts else LlamaForCausalLM)
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch)
+        net = model_class(arch)
     net = net.to(dtype=dtype).to_empty(device=device)
     return net.eval().requires_grad_(False)
 

@@ -32,7 +32,8 @@ from pagellm.tokenizer import pagellm_cache_dir
 
 logger = init_logger(__name__)
 
-_LAYOUT_SOURCES = ("quantized.py", "gguf_weights.py", "llama.py", "prepared_weights.py")
+_LAYOUT_SOURCES = ("quantized.py", "gguf_weights.py", "llama.py", "gemma3.py", "moe.py",
+                   "prepared_weights.py")
 # The Linear attributes that say which form a step multiplies.
 _FLAGS = ("quantized_max_tokens", "int8_min_tokens", "batch_invariant", "dense_released")
 

@@ -1,0 +1,60 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) against Hugging Face transformers, and
+their experts computed once per active expert for the whole step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import assert_matches_transformers
+
+from pagellm.model.layers import GatedMLP
+from pagellm.model.loader import load_model
+from pagellm.model.moe import SparseMoE
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def tiny_moe_dir(request: pytest.FixtureRequest,
+                 tiny_model_factory: Callable[[str], Path]) -> Path:
+    return tiny_model_factory(request.param)
+
+
+def test_prefill_and_decode_match_transformers(tiny_moe_dir: Path) -> None:
+    loaded = assert_matches_transformers(tiny_moe_dir)
+    moe_layers = [i for i, layer in enumerate(loaded.model.model.layers)
+                  if isinstance(layer.mlp, SparseMoE)]
+    assert moe_layers == ([0, 1] if loaded.arch.model_type == "mixtral" else [0])
+
+
+def test_router_matches_transformers_normalisation(tiny_moe_dir: Path) -> None:
+    loaded = load_model(str(tiny_moe_dir), torch.float32, CPU)
+    moe = loaded.model.model.layers[0].mlp
+    x = torch.randn(7, loaded.arch.hidden_size)
+    experts, weights = moe.route(x)
+    probs = torch.softmax(x @ moe.gate.weight.T, dim=-1)
+    chosen = probs.gather(1, experts)
+    normalized = loaded.arch.model_type == "mixtral"
+    assert moe.normalize == normalized
+    expected = chosen / chosen.sum(-1, keepdim=True) if normalized else chosen
+    torch.testing.assert_close(weights, expected)
+    assert torch.equal(probs.topk(2, dim=-1).indices, experts)
+
+
+def test_experts_run_once_per_step_for_all_their_tokens(tiny_moe_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 60-token step calls each MoE layer's experts at most once each (4), not per token."""
+    loaded = load_model(str(tiny_moe_dir), torch.float32, CPU)
+    rows: list[int] = []
+    forward = GatedMLP.forward
+    monkeypatch.setattr(GatedMLP, "forward", lambda self, x: rows.append(len(x)) or forward(self, x))
+    moe = loaded.model.model.layers[0].mlp
+    x = torch.randn(60, loaded.arch.hidden_size)
+    out = moe(x)
+    assert len(rows) <= len(moe.experts) and sum(rows) == 60 * moe.top_k
+    rows.clear()
+    one_by_one = torch.cat([moe(x[i:i + 1]) for i in range(len(x))])
+    torch.testing.assert_close(out, one_by_one, atol=1e-5, rtol=1e-5)
