@@ -29,8 +29,10 @@ from pagellm.model.attention import build_attention_metadata, kv_cache_shape
 from pagellm.model.loader import LoadedModel
 from pagellm.request import Request
 from pagellm.spec_decode.draft import Draft
+from pagellm.spec_decode.rejection_sampler import seeded_generator
 
 logger = init_logger(__name__)
+_DRAFT = 1  # told apart from the verifier's seeded draws
 
 
 @dataclass
@@ -75,7 +77,9 @@ class DraftModelProposer:
         drafts: dict[str, Draft] = {}
         probs: dict[str, list[Tensor]] = {}
         while feeds:
-            tokens, chosen_probs = self._sample(feeds, self._forward(feeds))
+            positions = [f.request.num_output_tokens + len(drafts.get(f.request.request_id, ()))
+                         for f in feeds]
+            tokens, chosen_probs = self._sample(feeds, self._forward(feeds), positions)
             next_feeds = []
             for feed, token, row_probs in zip(feeds, tokens, chosen_probs):
                 request_id = feed.request.request_id
@@ -127,19 +131,25 @@ class DraftModelProposer:
                             torch.tensor(last_rows, dtype=torch.long, device=device))
         return self.model.compute_logits(hidden).float()
 
-    def _sample(self, feeds: list[_Feed], logits: Tensor) -> tuple[list[int], list[Tensor | None]]:
-        """Greedy rows (and every row under `greedy`) take the argmax; the others sample at
+    def _sample(self, feeds: list[_Feed], logits: Tensor,
+                positions: list[int]) -> tuple[list[int], list[Tensor | None]]:
+        """`positions`: each feed's next output position. Greedy rows (and every row under `greedy`) take the argmax; the others sample at
         their temperature and keep the distribution they sampled from."""
         tokens = logits.argmax(dim=-1).tolist()
         chosen: list[Tensor | None] = [None] * len(feeds)
         if not self.probabilistic:
             return tokens, chosen
-        for row, feed in enumerate(feeds):
-            params = feed.request.sampling_params
+        for row, (feed, position) in enumerate(zip(feeds, positions)):
+            request = feed.request
+            params = request.sampling_params
             if params.greedy:
                 continue
+            generator = self.generator
+            if params.seed is not None:  # a seeded request's drafts reproduce too
+                generator = seeded_generator(params.seed, (request.index, position, _DRAFT),
+                                             self.device)
             probs = (logits[row] / params.temperature).softmax(dim=-1)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=self.generator))
+            tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
             chosen[row] = probs
         return tokens, chosen
 

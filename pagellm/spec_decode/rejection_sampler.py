@@ -19,6 +19,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_MIX = 0x9E3779B97F4A7C15
+_U63 = (1 << 63) - 1
+
+
+def seeded_generator(seed: int, words: tuple[int, ...], device: torch.device) -> torch.Generator:
+    """A generator that is a pure function of a request's seed and `words` (its sibling
+    index, its step, ...), so that its draws do not depend on the rest of the batch."""
+    mixed = seed & _U63
+    for word in words:
+        mixed = ((mixed ^ word) * _MIX) & _U63
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mixed)
+    return generator
+
 
 def accept_matching(sampled: list[int], draft: list[int]) -> list[int]:
     """The output of a step that sampled `sampled` [len(draft) + 1] at the draft's positions:

@@ -15,10 +15,10 @@ from torch import Tensor
 from pagellm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pagellm.sample.metadata import LogprobMetadata, SamplingMetadata, SamplingRow
 from pagellm.sample.sampler import Sampler, compute_logprobs, filter_random
-from pagellm.spec_decode.rejection_sampler import accept_matching, rejection_sample
+from pagellm.spec_decode.rejection_sampler import (accept_matching, rejection_sample,
+                                                   seeded_generator)
 
-_MIX = 0x9E3779B97F4A7C15
-_U63 = (1 << 63) - 1
+_VERIFY = 0  # told apart from the draft model's seeded draws
 
 
 def draft_sampling_rows(item: ScheduledRequest) -> list[SamplingRow]:
@@ -77,12 +77,7 @@ def _row_generator(item: ScheduledRequest, generator: torch.Generator | None,
     seed = request.sampling_params.seed
     if seed is None:
         return generator
-    mixed = seed
-    for word in (request.index, request.num_output_tokens):
-        mixed = ((mixed ^ word) * _MIX) & _U63
-    own = torch.Generator(device=device)
-    own.manual_seed(mixed)
-    return own
+    return seeded_generator(seed, (request.index, request.num_output_tokens, _VERIFY), device)
 
 
 def _rejection_sample(item: ScheduledRequest, probs: Tensor, first_row: int,
