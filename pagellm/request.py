@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagellm.spec_decode.draft import Draft
     from pagellm.structured_outputs.manager import RequestGrammar
 
 
@@ -70,6 +71,7 @@ class Request:
     num_cached_blocks: int = 0
     swapped_block_ids: list[int] = field(default_factory=list)  # tier-2 blocks while swapped out
     grammar: "RequestGrammar | None" = None  # set by the engine core for structured outputs
+    draft: "Draft | None" = None  # speculative decoding: tokens proposed for the next step
 
     @property
     def schedulable(self) -> bool:

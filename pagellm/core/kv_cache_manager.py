@@ -159,6 +159,14 @@ class KVCacheManager:
             self.pool.cache_block(request.block_ids[index], request.block_hashes[index])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
+    def free_unused_tail(self, request: Request) -> None:
+        """Return the blocks past the request's computed tokens (rejected draft tokens had
+        them); they hold no hash, since only blocks of real tokens are ever hashed."""
+        keep = max(cdiv(request.num_computed_tokens, self.block_size), request.num_cached_blocks)
+        if len(request.block_ids) > keep:
+            self.pool.free_blocks(reversed(request.block_ids[keep:]))
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first, so that a chain's tail is evicted first."""
         self.pool.free_blocks(reversed(request.block_ids))

@@ -7,27 +7,32 @@ from dataclasses import dataclass, field, fields
 from pagellm.core.block_map import BlockMap
 from pagellm.request import Request
 from pagellm.sample.sampler import TokenLogprobs
+from pagellm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """`num_tokens` of `request` from position `start` run this step; fixed when scheduled."""
+    """`num_tokens` of `request` from position `start` run this step; fixed when scheduled.
+    The last `num_draft_tokens` of them are the first tokens of `request.draft` (speculative
+    decoding), each verified by a sample of its own."""
 
     request: Request
     num_tokens: int
     start: int
     num_samples: int
+    num_draft_tokens: int = 0
 
     @classmethod
-    def for_chunk(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
+    def for_chunk(cls, request: Request, num_tokens: int,
+                  num_draft_tokens: int = 0) -> "ScheduledRequest":
         """A chunk reaching the last known token samples; a prompt with n > 1 samples n
         first tokens from one set of logits, one per sibling."""
         start = request.num_computed_tokens
-        samples = start + num_tokens == request.num_tokens
+        samples = start + num_tokens - num_draft_tokens == request.num_tokens
         forks = (request.sampling_params.n > 1 and request.parent_id is None
                  and request.num_output_tokens == 0)
         num_samples = (request.sampling_params.n if forks else 1) if samples else 0
-        return cls(request, num_tokens, start, num_samples)
+        return cls(request, num_tokens, start, num_samples, num_draft_tokens)
 
     @property
     def samples(self) -> bool:
@@ -52,6 +57,10 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute (there may still be transfers)."""
         return not self.scheduled
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(s.num_draft_tokens for s in self.scheduled)
 
     @property
     def has_transfers(self) -> bool:
@@ -133,4 +142,5 @@ class SchedulerStats:
     num_preemptions_recompute: int = 0
     offload: OffloadStats | None = None  # None when there is no second KV tier
     block_map: BlockMap | None = None  # the engine view's picture, at most once a second
+    spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
 

@@ -72,19 +72,31 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
+            num_drafts = 0
             if remaining == 1:
                 pending_decodes -= 1
-                num_tokens = 1
+                num_drafts = self._num_drafts(request, budget - 1 - pending_decodes)
+                num_tokens = 1 + num_drafts
             else:
                 num_tokens = min(remaining, max(1, budget - pending_decodes))
             num_tokens = min(num_tokens, budget)
             if not self._make_room(request, num_tokens, output):
                 break
             self.kv.allocate_slots(request, num_tokens)
-            output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens))
+            output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens, num_drafts))
             budget -= num_tokens
             index += 1
         return budget
+
+    def _num_drafts(self, request: Request, spare_budget: int) -> int:
+        """Draft tokens to verify beside a decode: what the budget spares once every decode
+        behind it has its token, and never more than max_tokens or max_model_len leave room
+        for (a step emits up to one token more than it verifies)."""
+        if request.draft is None:
+            return 0
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens) - 1
+        return max(0, min(len(request.draft), spare_budget, room))
 
     def _make_room(self, request: Request, num_tokens: int, output: SchedulerOutput) -> bool:
         """Preempt the most recently admitted requests until `request` fits; False if it went too."""
@@ -168,23 +180,44 @@ class Scheduler:
             if not sampled:
                 continue
             logprobs = runner_output.logprobs.get(request.request_id) or [None] * len(sampled)
+            if item.num_draft_tokens:
+                updates.append(self._accept_verified(request, item, sampled, logprobs))
+                continue
             for child_index, (token_id, logprob) in enumerate(zip(sampled[1:], logprobs[1:]), 1):
                 updates.append(self._fork_child(request, child_index, token_id, logprob))
             updates.append(self._append_token(request, sampled[0], logprobs[0]))
         return updates
 
+    def _accept_verified(self, request: Request, item: ScheduledRequest, tokens: list[int],
+                         logprobs: list[TokenLogprobs | None]) -> RequestUpdate:
+        """A verified draft: the KV of its rejected tokens is dropped (their slots are written
+        again by the next step; blocks left empty go back), then its tokens are appended."""
+        request.num_computed_tokens -= item.num_draft_tokens + 1 - len(tokens)
+        self.kv.free_unused_tail(request)
+        return self._append_tokens(request, tokens, logprobs)
+
     def _append_token(self, request: Request, token_id: int,
                       logprob: TokenLogprobs | None) -> RequestUpdate:
-        request.append_output_token(token_id)
-        if request.grammar is not None:
-            request.grammar.accept(token_id)
-        self.kv.hash_new_blocks(request)
-        self._step_generation_tokens += 1
-        status = self._check_stop(request, token_id)
-        if status is not None:
-            self._finish(request, status)
-        return RequestUpdate(request.request_id, request.parent_id, request.index, [token_id],
-                             [logprob], request.status.finish_reason, request.stop_reason)
+        return self._append_tokens(request, [token_id], [logprob])
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> RequestUpdate:
+        """Append in order until one finishes the request; the tokens after it are dropped."""
+        appended = 0
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            if request.grammar is not None:
+                request.grammar.accept(token_id)
+            appended += 1
+            self.kv.hash_new_blocks(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                break
+        self._step_generation_tokens += appended
+        return RequestUpdate(request.request_id, request.parent_id, request.index,
+                             token_ids[:appended], logprobs[:appended],
+                             request.status.finish_reason, request.stop_reason)
 
     def _fork_child(self, parent: Request, index: int, token_id: int,
                     logprob: TokenLogprobs | None) -> RequestUpdate:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pagellm.structured_outputs.params import StructuredOutputsConfig
 
 _GIB = 1 << 30
@@ -61,6 +62,16 @@ _HELP = {
                                  "disable_additional_properties (guidance), and pagellm's "
                                  "max_whitespace (longest run of whitespace a JSON grammar "
                                  "allows, default 4) and compile_timeout_s (default 10)",
+    "speculative_config": "vLLM's speculative decoding JSON: method ngram (num_speculative_"
+                          "tokens, prompt_lookup_max, prompt_lookup_min) or draft_model (model: "
+                          "a smaller model with the same tokenizer, num_speculative_tokens, "
+                          "draft_sample_method greedy or probabilistic); pagellm's "
+                          "disable_adaptive keeps k fixed instead of drafting only what pays",
+    "speculative_model": "old spelling: '[ngram]' or a draft model (with "
+                         "--num-speculative-tokens)",
+    "num_speculative_tokens": "old spelling of speculative_config num_speculative_tokens",
+    "ngram_prompt_lookup_max": "old spelling of speculative_config prompt_lookup_max",
+    "ngram_prompt_lookup_min": "old spelling of speculative_config prompt_lookup_min",
 }
 
 
@@ -90,6 +101,11 @@ class EngineArgs:
     gguf_int8_activations: bool = True
     batch_invariant: bool = True
     structured_outputs_config: str | None = None
+    speculative_config: str | None = None  # offline, a dict too
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -147,6 +163,13 @@ class EngineArgs:
     def grammar_config(self) -> StructuredOutputsConfig:
         """The parsed --structured-outputs-config."""
         return StructuredOutputsConfig.parse(self.structured_outputs_config)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config (or its old flags); None: no speculation."""
+        return parse_speculative_config(self.speculative_config, self.speculative_model,
+                                        self.num_speculative_tokens,
+                                        self.ngram_prompt_lookup_max,
+                                        self.ngram_prompt_lookup_min)
 
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,

@@ -22,6 +22,8 @@ from pagellm.logger import init_logger
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.request import Request, RequestStatus
+from pagellm.spec_decode.config import SpeculativeConfig
+from pagellm.spec_decode.decoder import SpecDecoder, load_draft_model
 from pagellm.structured_outputs.manager import StructuredOutputManager
 from pagellm.structured_outputs.params import StructuredOutputsConfig
 from pagellm.worker.model_runner import ModelRunner
@@ -34,7 +36,8 @@ BLOCK_MAP_INTERVAL_SECONDS = 1.0  # a map costs about a millisecond per 10k bloc
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
-                 structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_outputs_config: StructuredOutputsConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
@@ -63,6 +66,9 @@ class EngineCore:
         kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
+        self.spec_decoder = (self._make_spec_decoder(speculative_config, model_config,
+                                                     kv_cache_dtype)
+                             if speculative_config is not None else None)
         self._block_map_time = float("-inf")
         self.structured_outputs = StructuredOutputManager(
             self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
@@ -81,6 +87,19 @@ class EngineCore:
         return load_model(config.model, self.dtype, self.device, config.tokenizer,
                           config.gguf_quantized_max_tokens, config.int8_activations(),
                           config.batch_invariant)
+
+    def _make_spec_decoder(self, config: SpeculativeConfig, model_config: ModelConfig,
+                           kv_cache_dtype: torch.dtype) -> SpecDecoder:
+        draft = None
+        if config.method == "draft_model":
+            draft = load_draft_model(config, self.loaded, self.num_blocks,
+                                     self.cache_config.block_size, self.device, self.dtype,
+                                     kv_cache_dtype, model_config.batch_invariant,
+                                     model_config.seed)
+        logger.info("Speculative decoding: %s, up to %d tokens per step%s", config.method,
+                    config.num_speculative_tokens,
+                    "" if config.disable_adaptive else ", fewer or none where they do not pay")
+        return SpecDecoder(config, self.max_model_len, draft)
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config
@@ -171,11 +190,16 @@ class EngineCore:
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
         failed = self._finish_failed_grammars()
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running, set(self.scheduler.requests))
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty and not scheduled.has_transfers:
             self.structured_outputs.wait_for_any(list(self.scheduler.waiting))
             return failed, self.make_stats()
+        start = time.perf_counter()
         runner_output = self.runner.execute(scheduled)
+        if self.spec_decoder is not None:
+            self.spec_decoder.observe(scheduled, runner_output, time.perf_counter() - start)
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         return failed + updates, self.make_stats()
 
@@ -197,6 +221,8 @@ class EngineCore:
         """The scheduler's record, with a map of the KV blocks once a second and whenever the
         engine falls idle (so the last map shown is never one of a busy cache)."""
         stats = self.scheduler.make_stats()
+        if self.spec_decoder is not None:
+            stats.spec_decoding = self.spec_decoder.stats.copy()
         now = time.monotonic()
         idle = not self.has_unfinished_requests()
         if idle or now - self._block_map_time >= BLOCK_MAP_INTERVAL_SECONDS:

@@ -136,16 +136,21 @@ class OutputProcessor:
             num_generation_tokens=sum(len(s.token_ids) for s in state.sequences))
 
     def _apply(self, sequence: _Sequence, update: RequestUpdate) -> bool:
-        sequence.token_ids.extend(update.new_token_ids)
-        for logprob in update.new_logprobs:
+        """Tokens one at a time (a step with speculative decoding brings several), so that
+        the tokens after the one completing a stop string are dropped, as without it."""
+        stop_token_ended = update.finish_reason == "stop"  # the core stops on tokens only
+        last = len(update.new_token_ids) - 1
+        for index, (token_id, logprob) in enumerate(zip(update.new_token_ids,
+                                                        update.new_logprobs)):
+            sequence.token_ids.append(token_id)
             if logprob is not None and sequence.logprobs is not None:
                 sequence.logprobs.append(self._to_logprob_dict(logprob))
                 sequence.cumulative_logprob += logprob.logprob
-        stop_token_ended = update.finish_reason == "stop"  # the core stops on tokens only
-        stop_string = sequence.detokenizer.update(update.new_token_ids, stop_token_ended)
-        if stop_string is not None:
-            sequence.finish_reason, sequence.stop_reason = "stop", stop_string
-            return not update.finished
+            stop_string = sequence.detokenizer.update([token_id],
+                                                      stop_token_ended and index == last)
+            if stop_string is not None:
+                sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+                return not update.finished
         if update.finished:
             sequence.finish_reason, sequence.stop_reason = update.finish_reason, update.stop_reason
         return False

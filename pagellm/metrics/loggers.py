@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from pagellm.core.sched_output import KVTransferStats, OffloadStats, SchedulerStats
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import IterationStats
+from pagellm.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
 logger = init_logger(__name__)
 
@@ -33,6 +34,7 @@ class LoggingStatLogger:
         self._hit_rate = 0.0
         self._reset(time.monotonic())
         self._logged_idle = True
+        self._spec_decoding = SpecDecodingLogging()
 
     def _reset(self, now: float) -> None:
         self.since = now
@@ -67,6 +69,8 @@ class LoggingStatLogger:
             self._hit_rate * 100)
         if stats.offload is not None:
             log_transfers(stats.offload, previous.offload if previous else None)
+        if stats.spec_decoding is not None:
+            self._spec_decoding.log(stats.spec_decoding)
         self._logged_idle = idle
         self._reset(now)
 
@@ -167,6 +171,7 @@ class PrometheusStatLogger:
         self._make = _MetricFactory(registry, model_name)
         gauge, counter, histogram = self._make.gauge, self._make.counter, self._make.histogram
         self._offload: _OffloadMetrics | None = None
+        self._spec_decoding: SpecDecodingProm | None = None
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -227,6 +232,11 @@ class PrometheusStatLogger:
             if self._offload is None:
                 self._offload = _OffloadMetrics(self._make)
             self._offload.record(stats.offload, previous.offload)
+        if stats.spec_decoding is not None:
+            if self._spec_decoding is None:
+                self._spec_decoding = SpecDecodingProm(self._make.registry, self.model_name,
+                                                       stats.spec_decoding.num_spec_tokens)
+            self._spec_decoding.record(stats.spec_decoding)
         self._previous = stats
 
     def log(self) -> None:

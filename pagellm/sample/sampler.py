@@ -149,8 +149,9 @@ def _noise_keys(meta: RandomMetadata, num_rows: int, device: torch.device,
                                                                     seeded.keys)
 
 
-def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generator | None) -> Tensor:
-    """Token ids [R] for the random rows `logits` [R, V] (already penalized)."""
+def filter_random(logits: Tensor, meta: RandomMetadata) -> Tensor:
+    """The random rows' logits [R, V] (already penalized) as they are sampled from: float32,
+    divided by the temperature, with min_p, top-k and top-p applied (-inf where dropped)."""
     logits = logits.float() / meta.temperature
     if meta.min_p_log is not None:
         logits = apply_min_p(logits, meta.min_p_log)
@@ -158,6 +159,12 @@ def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generat
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_k_max, meta.top_p)
     elif meta.top_k is not None:
         logits = apply_top_k(logits, meta.top_k, meta.top_k_max)
+    return logits
+
+
+def sample_random(logits: Tensor, meta: RandomMetadata, generator: torch.Generator | None) -> Tensor:
+    """Token ids [R] for the random rows `logits` [R, V] (already penalized)."""
+    logits = filter_random(logits, meta)
     keys = _noise_keys(meta, logits.shape[0], logits.device, generator)
     return argmax_rows(subtract_noise_(logits, keys))
 

@@ -28,6 +28,7 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
+from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 
 logger = init_logger(__name__)
 
@@ -192,16 +193,20 @@ class ModelRunner:
         seq_lens: list[int] = []
         for item in step.scheduled:
             request, start, count = item.request, item.start, item.num_tokens
-            token_ids.extend(request.all_token_ids[start:start + count])
+            drafts = item.num_draft_tokens
+            token_ids.extend(request.all_token_ids[start:start + count - drafts])
+            if drafts:
+                token_ids.extend(request.draft.token_ids[:drafts])
             pos = np.arange(start, start + count, dtype=np.int64)
             blocks = np.asarray(request.block_ids, dtype=np.int64)[pos // self.block_size]
             positions.append(pos)
             slots.append(blocks * self.block_size + pos % self.block_size)
             query_lens.append(count)
             seq_lens.append(start + count)
-            if item.samples:
-                sample_rows.extend([len(output_rows)] * item.num_samples)
-                output_rows.append(len(token_ids) - 1)
+            if item.samples:  # with drafts, each of them is sampled (verified) too
+                for row in range(len(token_ids) - 1 - drafts, len(token_ids)):
+                    sample_rows.extend([len(output_rows)] * item.num_samples)
+                    output_rows.append(row)
         device = self.device
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
         metadata = build_attention_metadata(query_lens, seq_lens,
@@ -235,6 +240,8 @@ class ModelRunner:
         for request_id, token_id, logprob in zip(owners, sampled.token_ids, sampled.logprobs):
             output.sampled.setdefault(request_id, []).append(token_id)
             output.logprobs.setdefault(request_id, []).append(logprob)
+        if step.has_drafts:
+            verify_drafts(step, output, logits, metadata, self.generator)
         return output
 
     @staticmethod
@@ -245,6 +252,10 @@ class ModelRunner:
             if not item.samples:
                 continue
             request = item.request
+            if item.num_draft_tokens:
+                rows.extend(draft_sampling_rows(item))
+                owners.extend([request.request_id] * (item.num_draft_tokens + 1))
+                continue
             for stream in range(item.num_samples):
                 rows.append(SamplingRow(
                     params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,

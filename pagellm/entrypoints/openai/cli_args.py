@@ -183,6 +183,7 @@ class ServerSettings:
 
             ToolParserManager.load_plugin(args.tool_parser_plugin)
         engine_args.grammar_config()  # a bad --structured-outputs-config fails now
+        engine_args.speculative()  # and a bad --speculative-config
         tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
                              args.reasoning_parser)
         cors = None
