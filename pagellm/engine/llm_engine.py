@@ -29,7 +29,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
-                               resolve_device(args.device), args.grammar_config())
+                               resolve_device(args.device), args.grammar_config(),
+                               args.parallel_config())
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = load_chat_template(args.chat_template) or loaded.chat_template
