@@ -70,8 +70,7 @@ def test_tensor_parallel_matches_one_process(tiny_model_dir: Path,
     _check_same(make_llm(tiny_model_dir), make_llm(tiny_model_dir, tensor_parallel_size=2))
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type, tp, pp", [("llama", 1, 2), ("qwen2", 2, 2)])
 def test_pipeline_parallel_matches_one_process(model_type: str, tp: int, pp: int,
                                                tiny_model_factory: Callable[[str], Path],
                                                make_llm: Callable[..., LLM]) -> None:

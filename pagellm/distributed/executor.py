@@ -10,17 +10,20 @@ group inside the model (pagellm.distributed.model). Only rank 0 samples.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, deliver_challenge
 
 import torch
+import torch.distributed as dist
 
 from pagellm.config import CacheConfig, ModelConfig
 from pagellm.distributed.config import ParallelConfig, layer_partition
@@ -37,6 +40,7 @@ logger = init_logger(__name__)
 WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socket
 WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
 WORKER_RANK_ENV = "PAGELLM_WORKER_RANK"
+_WATCH_SECONDS = 0.5
 
 
 @dataclass
@@ -122,6 +126,8 @@ class MultiprocExecutor:
         with socket.create_server(("127.0.0.1", 0)) as server:
             env = {**os.environ, WORKER_ADDRESS_ENV: "127.0.0.1:%d" % server.getsockname()[1],
                    WORKER_AUTHKEY_ENV: authkey.hex()}
+            # c10d's C++ stack traces would bury the driver's one-line error
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
             for rank in range(1, self.info.world_size):
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "pagellm.distributed.worker"],
@@ -173,9 +179,26 @@ class MultiprocExecutor:
             conn.send(chunks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The last stage of start-up; from here on a worker's death ends the engine."""
         for conn in self.conns:
             conn.send(AllocateKVCache(num_blocks))
         self._wait_workers("allocating its KV cache")
+        threading.Thread(target=self._watch_workers, name="WorkerMonitor", daemon=True).start()
+
+    def _watch_workers(self) -> None:
+        """A dead rank leaves the others waiting in a collective: in the engine core's own
+        process (a child of the server, which then answers 503 and exits non-zero), exit at
+        once; in a process of the user's (the offline LLM), the next step fails instead."""
+        while self._finalizer.alive:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is None or not self._finalizer.alive:
+                    continue
+                logger.error("Worker rank %d (pid %d) died with exit code %s; the engine "
+                             "stops.", rank, process.pid, process.returncode)
+                if multiprocessing.parent_process() is not None:
+                    os._exit(1)
+                return
+            time.sleep(_WATCH_SECONDS)
 
     def max_layers_per_stage(self, arch: ArchConfig) -> int:
         return max(layer_partition(arch.num_hidden_layers, self.info.pp_size))
@@ -186,6 +209,8 @@ class MultiprocExecutor:
 
 def _stop_workers(conns: list[Connection], processes: list[subprocess.Popen],
                   cores: set[int], threads: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
     for conn in conns:
         try:
             conn.send(StopWorker())
