@@ -84,6 +84,7 @@ def load_rank_model(config: ModelConfig, dtype: torch.dtype, group: ParallelGrou
                         config.gguf_quantized_max_tokens, config.int8_activations(),
                         config.batch_invariant, shard_for=shard_for)
     loaded.model = ParallelCausalLM(loaded.model, layouts[0], group)
+    logger.info("Rank %d holds %s", group.info.rank, layouts[0].describe())
     return loaded, layouts[0]
 
 

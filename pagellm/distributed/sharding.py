@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -98,10 +99,20 @@ class ShardLayout(WeightShard):
             net.model.embed_tokens = VocabParallelEmbedding(rows, local.hidden_size,
                                                             self.vocab_start)
             if not self.info.is_last_stage:
-                net.lm_head = Linear(local.hidden_size, 0, bias=False)
+                with warnings.catch_warnings():  # "zero-element tensors": as meant
+                    warnings.simplefilter("ignore", UserWarning)
+                    net.lm_head = Linear(local.hidden_size, 0, bias=False)
                 net.lm_head.dense_released = True  # loads nothing, is never called
         net = net.to(dtype=dtype).to_empty(device=device)
         return net.eval().requires_grad_(False)
+
+    def describe(self) -> str:
+        """This rank's share, for its start-up line."""
+        arch, local = self.arch, self.local_arch
+        return (f"layers [{self.layers[0]}, {self.layers[1]}) of {arch.num_hidden_layers}, "
+                f"{local.num_attention_heads} of {arch.num_attention_heads} query heads, "
+                f"{self.kv_heads} of {arch.num_key_value_heads} key/value heads, vocabulary "
+                f"rows [{self.vocab_start}, {self.vocab_start + self.vocab_rows})")
 
     def wanted(self, needs_dense: Callable[[str], bool]) -> Callable[[str], bool]:
         def wanted(name: str) -> bool:
