@@ -68,9 +68,8 @@ def _unknown_flag(docs: list[dict]) -> None:
     _pagellm_container(docs)["args"] += ["--max-model-length", "4096"]  # vLLM says --max-model-len
 
 
-def _tensor_parallel(docs: list[dict]) -> None:
-    args = _pagellm_container(docs)["args"]
-    args[args.index("--tensor-parallel-size") + 1] = "2"
+def _data_parallel(docs: list[dict]) -> None:
+    _pagellm_container(docs)["args"] += ["--data-parallel-size", "2"]
 
 
 def _hub_model_id(docs: list[dict]) -> None:
@@ -111,7 +110,8 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "graph name": ("kserve/inferencegraph-rag.yaml", _bad_metadata_name, "must match"),
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
                      "unrecognized arguments: --max-model-length 4096"),
-    "tensor parallel": ("kubernetes/pagellm-gpu.yaml", _tensor_parallel, "only 1 is supported"),
+    "data parallel": ("kubernetes/pagellm-gpu.yaml", _data_parallel,
+                      "data parallelism (data_parallel_size 2) is not supported"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
                    "livenessProbe asks port 8080, pagellm listens on 8000"),

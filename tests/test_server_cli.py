@@ -61,9 +61,11 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
     return code, err
 
 
-def test_tensor_parallel_only_one(capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = one_line_error(["serve", "--tensor-parallel-size", "2"], capsys)
-    assert code == 2 and "only 1 is supported" in err
+def test_unbuilt_parallel_layout_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = one_line_error(["serve", "-dp", "2"], capsys)
+    assert code == 1 and "data parallelism (data_parallel_size 2) is not supported" in err
+    code, err = one_line_error(["serve", "-tp", "-1"], capsys)
+    assert code == 2 and "must be 0 or more, got -1" in err
 
 
 def test_bad_chat_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,6 +45,7 @@ def parse_serve_args(argv: list[str]) -> tuple[argparse.Namespace | None, str]:
     try:
         engine_args.model_config()
         engine_args.scheduler_config()
+        engine_args.parallel_config()
     except ValueError as error:
         return None, f"pagellm: error: {error}"
     return namespace, ""

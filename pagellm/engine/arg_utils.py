@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
+from pagellm.distributed.config import PARALLEL_FIELDS, ParallelArgs
 from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pagellm.structured_outputs.params import StructuredOutputsConfig
 
@@ -76,7 +77,10 @@ _HELP = {
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(ParallelArgs):
+    """The parallel flags come from ParallelArgs (their CLI spellings, short forms included,
+    from pagellm.distributed.config.add_parallel_cli_args)."""
+
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -185,7 +189,7 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
         """Add one `--flag-name` per field, with vLLM's spelling."""
         for field in fields(cls):
-            if field.name in skip:
+            if field.name in skip or field.name in PARALLEL_FIELDS:
                 continue
             flag = "--" + field.name.replace("_", "-")
             if field.type == "bool":

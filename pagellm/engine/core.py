@@ -16,6 +16,8 @@ from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.offload import OffloadPool, SwapCostModel
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.core.scheduler import Scheduler
+from pagellm.distributed.config import ParallelConfig
+from pagellm.distributed import start_executor
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
@@ -37,11 +39,15 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, device: torch.device,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None,
+                 parallel_config: ParallelConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
-        self.loaded: LoadedModel = self._load(model_config)
+        kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        self.executor = start_executor(parallel_config, cache_config, device)
+        self.loaded: LoadedModel = self._load(model_config, kv_cache_dtype,
+                                              cache_config.block_size)
         weights_bytes = self.loaded.model.weight_bytes()
         logger.info("Model loading took %.4f GiB and %.6f seconds",
                     weights_bytes / _GIB, time.perf_counter() - start)
@@ -49,13 +55,14 @@ class EngineCore:
                                                    self.loaded.arch.max_position_embeddings)
         scheduler_config.max_model_len = self.max_model_len
         self.cache_config = cache_config
-        kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
         if kv_cache_dtype != self.dtype:
             logger.info("KV cache dtype: %s (the model computes in %s)",
                         dtype_name(kv_cache_dtype), dtype_name(self.dtype))
-        self.runner = ModelRunner(self.loaded.model, self.loaded.arch, cache_config.block_size,
-                                  device, self.dtype, model_config.seed, kv_cache_dtype,
-                                  model_config.batch_invariant)
+        runner_args = (self.loaded.model, self.loaded.arch, cache_config.block_size, device,
+                       self.dtype, model_config.seed, kv_cache_dtype,
+                       model_config.batch_invariant)
+        self.runner = (ModelRunner(*runner_args) if self.executor is None
+                       else self.executor.driver_runner(*runner_args))
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         logger.info("Allocating the KV cache: %s blocks of %s tokens", f"{self.num_blocks:,}",
                     cache_config.block_size)
@@ -74,7 +81,8 @@ class EngineCore:
             self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
             structured_outputs_config)
 
-    def _load(self, config: ModelConfig) -> LoadedModel:
+    def _load(self, config: ModelConfig, kv_cache_dtype: torch.dtype,
+              block_size: int) -> LoadedModel:
         """Load with a line before each long stage, so that a first start is never silent."""
         if self.device.type == "cpu":
             start = time.perf_counter()
@@ -84,6 +92,8 @@ class EngineCore:
                         time.perf_counter() - start)
         logger.info("Loading %s in %s", config.model or "the embedded model",
                     dtype_name(self.dtype))
+        if self.executor is not None:  # each rank loads its own shard
+            return self.executor.load(config, self.dtype, kv_cache_dtype, block_size)
         return load_model(config.model, self.dtype, self.device, config.tokenizer,
                           config.gguf_quantized_max_tokens, config.int8_activations(),
                           config.batch_invariant)

@@ -95,7 +95,7 @@ def run_engine_core(conn: Connection, args: EngineArgs) -> None:
     try:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                           resolve_device(args.device), args.grammar_config(),
-                          args.speculative())
+                          args.speculative(), args.parallel_config())
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         conn.send(CoreFailed(str(error), isinstance(error, ModelLoadError)))
         return

@@ -30,7 +30,7 @@ class LLMEngine:
         self.args = args
         self.core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                                resolve_device(args.device), args.grammar_config(),
-                               args.speculative())
+                               args.speculative(), args.parallel_config())
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = load_chat_template(args.chat_template) or loaded.chat_template

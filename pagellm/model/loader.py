@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,28 @@ class LoadedModel:
     eos_token_ids: list[int]
 
 
+class WeightShard:
+    """Every weight whole: the single-process model. A rank of a parallel engine loads its
+    part instead (pagellm.distributed.sharding.ShardLayout overrides these)."""
+
+    sliced = False  # read safetensors as slices
+
+    def instantiate(self, arch: ArchConfig, dtype: torch.dtype,
+                    device: torch.device) -> LlamaForCausalLM:
+        return instantiate(arch, dtype, device)
+
+    def wanted(self, needs_dense: Callable[[str], bool]) -> Callable[[str], bool]:
+        return needs_dense
+
+    def dense(self, weights: Iterable[tuple[str, torch.Tensor]]
+              ) -> Iterable[tuple[str, torch.Tensor]]:
+        return weights
+
+    def quantized(self, weights: Iterable[tuple[str, GroupQuantWeight]]
+                  ) -> Iterable[tuple[str, GroupQuantWeight]]:
+        return weights
+
+
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped as package data (found without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -88,34 +110,46 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                tokenizer: str | None = None,
                gguf_quantized_max_tokens: int | None = 0,
                gguf_int8_activations: bool = False,
-               batch_invariant: bool = False) -> LoadedModel:
+               batch_invariant: bool = False,
+               shard_for: Callable[[ArchConfig], WeightShard] | None = None) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
     quantized matrices as stored; None measures where that stops paying (under int8
     activations, where the int8 path wins at every size, those get no float weights), 0
     never does.
     `gguf_int8_activations`: those of 12 tokens or more round the activations to int8.
     `batch_invariant` (with `gguf_quantized_max_tokens` None): every step multiplies one
-    form, measured nothing (see attach_batch_invariant)."""
+    form, measured nothing (see attach_batch_invariant).
+    `shard_for`: this rank's part of the model, for the checkpoint's architecture (a parallel
+    engine's rank; no prepared-weights cache)."""
     path = resolve_model_path(model)
     start = time.perf_counter()
-    if path.suffix == ".gguf" and batch_invariant and gguf_quantized_max_tokens is None:
+    invariant = batch_invariant and gguf_quantized_max_tokens is None
+    if path.suffix == ".gguf" and invariant and shard_for is None:
         arch, net = load_invariant_gguf_model(path, dtype, device, gguf_int8_activations)
     elif path.suffix == ".gguf":
         reader, arch = read_gguf(path)
         with reading(path, "its tensors do not load"):
             net = load_gguf_model(reader, arch, dtype, device, gguf_quantized_max_tokens,
-                                  gguf_int8_activations, batch_invariant=False)
+                                  gguf_int8_activations, invariant,
+                                  shard_for(arch) if shard_for else None)
     else:
         config = path / "config.json"
         with reading(config, "not a usable model config"):
             arch = arch_from_hf_config(json.loads(config.read_text()))
-        net = instantiate(arch, dtype, device)
+        shard = shard_for(arch) if shard_for else WeightShard()
+        net = shard.instantiate(arch, dtype, device)
         with reading(path, "the weights do not fit the model"):
-            net.load_weights(safetensors_weights(path))
+            net.load_weights(shard.dense(safetensors_weights(path, shard.sliced)))
         pack_if_supported(net, dtype, device)
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
+    return with_tokenizer(net, arch, path, tokenizer, seconds)
+
+
+def with_tokenizer(net: LlamaForCausalLM, arch: ArchConfig, path: Path, tokenizer: str | None,
+                   seconds: float) -> LoadedModel:
+    """The loaded model paired with its tokenizer, chat template and EOS ids."""
     source = tokenizer_source(path, tokenizer)
     with reading(source, "the tokenizer does not load"):
         tok = load_tokenizer(path, tokenizer)
@@ -161,16 +195,19 @@ def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.devi
 
 def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtype,
                     device: torch.device, max_tokens: int | None, int8_activations: bool,
-                    batch_invariant: bool) -> LlamaForCausalLM:
-    net = instantiate(arch, dtype, device)
+                    batch_invariant: bool, shard: WeightShard | None = None) -> LlamaForCausalLM:
+    """With `shard`, one rank's part of the model (pagellm.distributed.sharding)."""
+    shard = shard or WeightShard()
+    net = shard.instantiate(arch, dtype, device)
     layers = []
     if max_tokens != 0 and quantized_supported(device):
-        weights = gguf_quantized_weights(reader, arch)
+        weights = shard.quantized(gguf_quantized_weights(reader, arch))
         if batch_invariant and max_tokens is None:
             layers = attach_batch_invariant(net, weights, int8_activations)
         else:
             layers = attach_quantized(net, weights, max_tokens, int8_activations, dtype)
-    net.load_weights(gguf_weights(reader, arch, wanted=net.needs_dense))
+    wanted = shard.wanted(net.needs_dense)
+    net.load_weights(shard.dense(gguf_weights(reader, arch, wanted=wanted)))
     pack_if_supported(net, dtype, device)
     if layers and not layers[0].batch_invariant:
         choose_quantized_sizes(layers, max_tokens, dtype)
@@ -264,8 +301,9 @@ def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> L
     return net.eval().requires_grad_(False)
 
 
-def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """All tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint."""
+def safetensors_weights(folder: Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """All tensors of a single-file or sharded (`model.safetensors.index.json`) checkpoint;
+    `sliced`: as safetensors slices, of which indexing reads only the part asked for."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         with reading(index, "not a usable shard index"):
@@ -283,4 +321,4 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with reading(file, "not a readable safetensors file"):
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    yield name, handle.get_slice(name) if sliced else handle.get_tensor(name)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, SchedulerOutput
+from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, ScheduledRequest,
+                                      SchedulerOutput)
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
@@ -31,6 +32,29 @@ from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """One scheduled chunk in integers: all a rank needs to run it (no request object)."""
+
+    token_ids: list[int]  # speculative drafts, if any, last
+    start: int
+    block_ids: list[int]
+    num_samples: int
+    num_draft_tokens: int = 0  # each draft position is sampled (verified) too
+
+
+def _chunk_tokens(item: ScheduledRequest) -> list[int]:
+    request, drafts = item.request, item.num_draft_tokens
+    known = request.all_token_ids[item.start:item.start + item.num_tokens - drafts]
+    return known + request.draft.token_ids[:drafts] if drafts else known
+
+
+def step_chunks(step: SchedulerOutput) -> list[StepChunk]:
+    return [StepChunk(_chunk_tokens(item), item.start, item.request.block_ids,
+                      item.num_samples, item.num_draft_tokens)
+            for item in step.scheduled]
 
 
 @dataclass
@@ -183,7 +207,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def prepare_inputs(self, step: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, chunks: list[StepChunk]) -> StepInputs:
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -191,26 +215,23 @@ class ModelRunner:
         sample_rows: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        for item in step.scheduled:
-            request, start, count = item.request, item.start, item.num_tokens
-            drafts = item.num_draft_tokens
-            token_ids.extend(request.all_token_ids[start:start + count - drafts])
-            if drafts:
-                token_ids.extend(request.draft.token_ids[:drafts])
+        for chunk in chunks:
+            start, count = chunk.start, len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
             pos = np.arange(start, start + count, dtype=np.int64)
-            blocks = np.asarray(request.block_ids, dtype=np.int64)[pos // self.block_size]
+            blocks = np.asarray(chunk.block_ids, dtype=np.int64)[pos // self.block_size]
             positions.append(pos)
             slots.append(blocks * self.block_size + pos % self.block_size)
             query_lens.append(count)
             seq_lens.append(start + count)
-            if item.samples:  # with drafts, each of them is sampled (verified) too
-                for row in range(len(token_ids) - 1 - drafts, len(token_ids)):
-                    sample_rows.extend([len(output_rows)] * item.num_samples)
+            if chunk.num_samples:  # with drafts, each of them is sampled (verified) too
+                for row in range(len(token_ids) - 1 - chunk.num_draft_tokens, len(token_ids)):
+                    sample_rows.extend([len(output_rows)] * chunk.num_samples)
                     output_rows.append(row)
         device = self.device
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
         metadata = build_attention_metadata(query_lens, seq_lens,
-                                            [s.request.block_ids for s in step.scheduled],
+                                            [chunk.block_ids for chunk in chunks],
                                             slot_mapping, self.block_size, device,
                                             self.batch_invariant)
         return StepInputs(
@@ -222,18 +243,27 @@ class ModelRunner:
                          torch.tensor(sample_rows, dtype=torch.long, device=device)))
 
     @torch.inference_mode()
+    def compute(self, chunks: list[StepChunk]) -> torch.Tensor | None:
+        """The logits of the step's sampling rows (a row per sample), None if none samples
+        (or, under parallelism, on a rank that does not sample)."""
+        inputs = self.prepare_inputs(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                            inputs.output_rows)
+        if inputs.output_rows.numel() == 0:
+            return None
+        logits = self.model.compute_logits(hidden)
+        if logits is not None and inputs.sample_rows is not None:
+            logits = logits[inputs.sample_rows]  # n > 1: the samples of one item share logits
+        return logits
+
+    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         output = ModelRunnerOutput(transfers=self._transfer(step))
         if step.is_empty:
             return output
-        inputs = self.prepare_inputs(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
-                            inputs.output_rows)
-        if inputs.output_rows.numel() == 0:
+        logits = self.compute(step_chunks(step))
+        if logits is None:
             return output
-        logits = self.model.compute_logits(hidden)
-        if inputs.sample_rows is not None:  # n > 1: the samples of one item share its logits
-            logits = logits[inputs.sample_rows]
         rows, owners = self._sampling_rows(step)
         metadata = build_sampling_metadata(rows, logits.shape[-1], self.device)
         sampled = self.sampler(logits, metadata, self.generator)

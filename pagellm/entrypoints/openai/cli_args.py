@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagellm.distributed.config import add_parallel_cli_args
 from pagellm.engine.arg_utils import EngineArgs
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -23,14 +24,6 @@ def _port(value: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
     return port
-
-
-def _tensor_parallel_size(value: str) -> int:
-    size = int(value)
-    if size != 1:
-        raise argparse.ArgumentTypeError(
-            f"pagellm runs a model on one device; only 1 is supported, got {size}")
-    return size
 
 
 def _json_list(value: str) -> list[str]:
@@ -102,8 +95,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="finished /v1/responses kept for previous_response_id and GET, "
                              "least recently used out first; 0 keeps none "
                              f"(default {DEFAULT_RESPONSES_STORE_SIZE})")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel_size, default=1,
-                        help="accepted for vLLM compatibility; only 1")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="do not log each received request")
     parser.add_argument("--disable-log-stats", action="store_true",
@@ -123,6 +114,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                         help="split the model's thinking into message.reasoning")
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
+    add_parallel_cli_args(parser)
 
 
 @dataclass
@@ -184,6 +176,7 @@ class ServerSettings:
             ToolParserManager.load_plugin(args.tool_parser_plugin)
         engine_args.grammar_config()  # a bad --structured-outputs-config fails now
         engine_args.speculative()  # and a bad --speculative-config
+        engine_args.parallel_config()  # and a parallel layout not built yet
         tools = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
                              args.reasoning_parser)
         cors = None

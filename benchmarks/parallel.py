@@ -1,0 +1,100 @@
+"""Tokens per second of one engine laid out over processes: `pagellm serve` with each layout
+(`tp1`: one process with all the cores' threads; `tpN` / `ppN`: N gloo ranks, each pinned to
+its own cores), measured with `pagellm bench serve` at each concurrency.
+
+On a machine of 2 cores this is the honest cost of the communication: two ranks of one core
+each against one process of two threads. The embedded SmolLM2-135M has 9 query heads, so
+its tensor parallel sizes are 1, 3 and 9 (`tp3`); pass `--model` for another.
+
+    python benchmarks/parallel.py --layouts tp1,tp3,pp2 --concurrency 1,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from server_utils import cli_env, free_port  # noqa: E402
+
+from server_health import wait_healthy  # noqa: E402
+
+METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms")
+
+
+def layout_flags(layout: str) -> list[str]:
+    """`tp2` -> ["-tp", "2"], `pp2` -> ["-pp", "2"], `tp2pp2` -> both."""
+    flags: list[str] = []
+    rest = layout
+    while rest:
+        kind, rest = rest[:2], rest[2:]
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        if kind not in ("tp", "pp") or not digits:
+            raise SystemExit(f"bad layout {layout!r}: use e.g. tp1, tp3, pp2, tp3pp2")
+        flags += [f"-{kind}", rest[:digits]]
+        rest = rest[digits:]
+    return flags
+
+
+def _serve(args: argparse.Namespace, layout: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+               *([args.model] if args.model else []), "--port", str(port),
+               "--disable-log-requests", "--uvicorn-log-level", "warning",
+               *layout_flags(layout)]
+    process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    wait_healthy(process, url, timeout=args.startup_timeout, poll_seconds=0.2)
+    return process, url
+
+
+def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -> dict:
+    name = f"{len(list(folder.iterdir()))}.json"
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "serve",
+               "--base-url", url, "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len),
+               "--num-prompts", str(max(8, args.prompts_per_stream * concurrency)),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--disable-tqdm",
+               "--save-result", "--result-dir", str(folder), "--result-filename", name]
+    subprocess.run(command, cwd=REPO, env=cli_env(), check=True, stdout=subprocess.DEVNULL)
+    return json.loads((folder / name).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--layouts", default="tp1,tp3,pp2")
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--prompts-per-stream", type=int, default=2,
+                        help="requests per concurrent stream (at least 8 in all)")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--startup-timeout", type=float, default=300)
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    print(f"parallel layouts on {args.model or 'the embedded model'}: {args.input_len} in / "
+          f"{args.output_len} out, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start")
+    print(f"{'layout':>8} {'streams':>7} " + " ".join(f"{m:>18}" for m in METRICS))
+    with tempfile.TemporaryDirectory() as folder:
+        for layout in args.layouts.split(","):
+            process, url = _serve(args, layout)
+            try:
+                for concurrency in concurrencies:
+                    result = _bench(url, concurrency, args, Path(folder))
+                    print(f"{layout:>8} {concurrency:>7} " +
+                          " ".join(f"{result[m]:>18.2f}" for m in METRICS), flush=True)
+            finally:
+                process.terminate()
+                process.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

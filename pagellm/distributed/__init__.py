@@ -1,0 +1,30 @@
+"""Tensor and pipeline parallelism over torch.distributed (gloo on CPU).
+
+The engine core stays one process with one scheduler; `start_executor` gives it the ranks
+that run the model with it, or None for the single-process engine (world size 1), which
+then runs exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagellm.config import CacheConfig
+from pagellm.distributed.config import ParallelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagellm.distributed.executor import MultiprocExecutor
+
+
+def start_executor(parallel: ParallelConfig | None, cache: CacheConfig,
+                   device: "torch.device") -> "MultiprocExecutor | None":
+    if parallel is None or parallel.world_size == 1:
+        return None
+    if cache.offload_bytes:
+        raise ValueError("KV offloading with tensor or pipeline parallelism is not supported "
+                         "by pagellm yet.")
+    from pagellm.distributed.executor import MultiprocExecutor  # torch.distributed: only here
+
+    return MultiprocExecutor(parallel, device)

@@ -1,0 +1,197 @@
+"""How an engine spreads over processes: vLLM's parallel flags, their defaults and checks.
+
+`ParallelArgs` holds the flags as `EngineArgs` fields (so `LLM(tensor_parallel_size=2)` works
+as in vLLM); `ParallelConfig` is what the engine runs with, validated once at start. A
+combination that is not built here yet is refused with one clear line, never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+PP_PARTITION_ENV_VARS = ("PAGELLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+DEFAULT_DP_ADDRESS = "127.0.0.1"
+DEFAULT_DP_RPC_PORT = 29550
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29501
+
+# field name -> (short flag or None, help)
+_FLAGS: dict[str, tuple[str | None, str]] = {
+    "tensor_parallel_size": ("-tp", "shard every layer over this many processes (Megatron-style)"),
+    "pipeline_parallel_size": ("-pp", "split the layers into this many stages"),
+    "data_parallel_size": ("-dp", "independent engine replicas behind one API server"),
+    "data_parallel_size_local": ("-dpl", "data parallel ranks on this node (default: all)"),
+    "data_parallel_start_rank": ("-dpr", "first data parallel rank of this node"),
+    "data_parallel_rank": ("-dpn", "this process is exactly this data parallel rank "
+                                   "(external load balancing)"),
+    "data_parallel_address": ("-dpa", "address of the data parallel head node"),
+    "data_parallel_rpc_port": ("-dpp", "RPC port of the data parallel head node"),
+    "data_parallel_backend": ("-dpb", "mp or ray: how data parallel ranks are started"),
+    "headless": (None, "run engines only, no API server (secondary nodes)"),
+    "api_server_count": (None, "HTTP front-end processes"),
+    "distributed_executor_backend": (None, "mp, ray or uni (default: uni for one process, "
+                                           "else mp)"),
+    "nnodes": (None, "nodes of a multi-node run without Ray"),
+    "node_rank": (None, "this node's rank in a multi-node run without Ray"),
+    "master_addr": (None, "head node address of a multi-node run without Ray"),
+    "master_port": (None, "head node port of a multi-node run without Ray"),
+}
+
+
+@dataclass
+class ParallelArgs:
+    """The parallel flags, with vLLM's names and defaults."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_rank: int | None = None
+    data_parallel_address: str = DEFAULT_DP_ADDRESS
+    data_parallel_rpc_port: int = DEFAULT_DP_RPC_PORT
+    data_parallel_backend: str = "mp"
+    headless: bool = False
+    api_server_count: int = 1
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+
+    def parallel_config(self) -> "ParallelConfig":
+        return ParallelConfig.from_args(self)
+
+
+PARALLEL_FIELDS = tuple(f.name for f in fields(ParallelArgs))
+
+
+def add_parallel_cli_args(parser: argparse.ArgumentParser) -> None:
+    """`--tensor-parallel-size/-tp` and the rest, with vLLM's spellings."""
+    group = parser.add_argument_group("parallelism")
+    for field in fields(ParallelArgs):
+        short, help_text = _FLAGS[field.name]
+        names = ["--" + field.name.replace("_", "-")] + ([short] if short else [])
+        if field.type == "bool":
+            group.add_argument(*names, action="store_true", help=help_text)
+            continue
+        kind = int if field.type.startswith("int") else str
+        choices = {"data_parallel_backend": DATA_PARALLEL_BACKENDS,
+                   "distributed_executor_backend": EXECUTOR_BACKENDS}.get(field.name)
+        group.add_argument(*names, type=_at_least_zero if kind is int else str, choices=choices,
+                           default=field.default, help=help_text)
+
+
+def _at_least_zero(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
+
+
+@dataclass
+class ParallelConfig:
+    """What the engine runs with: world = tensor x pipeline processes, per data parallel rank."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def from_args(cls, args: ParallelArgs) -> "ParallelConfig":
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "api_server_count", "nnodes"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(args, name)}.")
+        _refuse_unbuilt(args)
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
+                   args.data_parallel_size, _executor_backend(args.distributed_executor_backend,
+                                                              world))
+
+
+def _executor_backend(requested: str | None, world_size: int) -> str:
+    """vLLM's automatic choice on one node: uni for one process, else mp."""
+    if requested is None:
+        if world_size == 1:
+            return "uni"
+        logger.info("Defaulting to use mp for distributed inference")
+        return "mp"
+    if requested == "uni" and world_size > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one process; a world size "
+                         f"of {world_size} needs 'mp'.")
+    return requested
+
+
+def _refuse_unbuilt(args: ParallelArgs) -> None:
+    """Flags whose feature is not built here yet: a clear error at start."""
+    unbuilt = {
+        "distributed_executor_backend 'ray' (multi-node on Ray)":
+            args.distributed_executor_backend == "ray",
+        "distributed_executor_backend 'external_launcher'":
+            args.distributed_executor_backend == "external_launcher",
+        f"data parallelism (data_parallel_size {args.data_parallel_size})":
+            args.data_parallel_size > 1,
+        "data_parallel_size_local / data_parallel_start_rank / data_parallel_rank":
+            args.data_parallel_size_local is not None or args.data_parallel_start_rank != 0
+            or args.data_parallel_rank is not None,
+        "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
+        "headless engines (--headless)": args.headless,
+        f"api_server_count {args.api_server_count}": args.api_server_count > 1,
+        f"multi-node without Ray (nnodes {args.nnodes})": args.nnodes > 1 or args.node_rank != 0,
+    }
+    refused = [name for name, asked in unbuilt.items() if asked]
+    if refused:
+        raise ValueError(f"{refused[0]} is not supported by pagellm yet; one node runs tensor "
+                         "and pipeline parallelism with the mp executor.")
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers of stage `pp_rank`: vLLM's split, from the environment's
+    partition if set, else `num_layers // pp_size` each with the remainder given one by one
+    to the stages before the last (which also holds the norm and the output head)."""
+    partition = layer_partition(num_layers, pp_size)
+    start = sum(partition[:pp_rank])
+    return start, start + partition[pp_rank]
+
+
+def layer_partition(num_layers: int, pp_size: int) -> list[int]:
+    for name in PP_PARTITION_ENV_VARS:
+        text = os.environ.get(name)
+        if text:
+            return _parse_partition(text, num_layers, pp_size, name)
+    partition = [num_layers // pp_size] * pp_size
+    for index in range(2, num_layers % pp_size + 2):
+        partition[-index] += 1
+    if num_layers % pp_size:
+        logger.info("Hidden layers were unevenly partitioned: [%s]. This can be manually "
+                    "overridden using the VLLM_PP_LAYER_PARTITION environment variable",
+                    ",".join(map(str, partition)))
+    return partition
+
+
+def _parse_partition(text: str, num_layers: int, pp_size: int, name: str) -> list[int]:
+    try:
+        partition = [int(layer) for layer in text.split(",")]
+    except ValueError as error:
+        raise ValueError(f"Invalid partition string: {text}") from error
+    if len(partition) != pp_size:
+        raise ValueError(f"{len(partition)=} does not match {pp_size=}.")
+    if sum(partition) != num_layers:
+        raise ValueError(f"{sum(partition)=} does not match {num_layers=}.")
+    if min(partition) < 1:
+        raise ValueError(f"{name}={text}: every stage needs at least one layer.")
+    return partition

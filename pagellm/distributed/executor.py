@@ -1,0 +1,250 @@
+"""The multiprocess executor: one engine's tensor x pipeline ranks on one machine.
+
+Rank 0 (the driver) lives in the engine core's process, next to the one scheduler; ranks
+1..N-1 are worker processes (`python -m pagellm.distributed.worker`) connected back to it
+over an authenticated local socket. Each step the driver sends the workers the step's
+integer plan (`StepChunk`s: token ids, start positions, block tables, samples per chunk),
+never tensors they can build themselves; the tensors they exchange go over the gloo process
+group inside the model (pagellm.distributed.model). Only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, deliver_challenge
+
+import torch
+import torch.distributed as dist
+
+from pagellm.config import CacheConfig, ModelConfig
+from pagellm.distributed.config import ParallelConfig, layer_partition
+from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
+                                       join_timeout, pin_threads, rendezvous_host)
+from pagellm.distributed.model import ParallelCausalLM
+from pagellm.distributed.sharding import ShardLayout
+from pagellm.logger import init_logger
+from pagellm.model.arch import ArchConfig
+from pagellm.model.loader import LoadedModel, load_model
+from pagellm.worker.model_runner import ModelRunner, StepChunk
+
+logger = init_logger(__name__)
+WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socket
+WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
+WORKER_RANK_ENV = "PAGELLM_WORKER_RANK"
+_WATCH_SECONDS = 0.5
+
+
+@dataclass
+class WorkerInit:
+    info: RankInfo
+    model_config: ModelConfig
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    block_size: int
+
+
+@dataclass
+class WorkerFailed:
+    message: str
+
+
+@dataclass
+class AllocateKVCache:
+    num_blocks: int
+
+
+class WorkerReady:
+    """A worker finished the stage it was asked for (loading, or allocating its KV cache)."""
+
+
+class StopWorker:
+    pass
+
+
+def load_rank_model(config: ModelConfig, dtype: torch.dtype, group: ParallelGroup
+                    ) -> tuple[LoadedModel, ShardLayout]:
+    """This rank's shard of the model, wrapped with its communication; `arch` stays the
+    whole model's (vocabulary, context length)."""
+    layouts: list[ShardLayout] = []
+
+    def shard_for(arch: ArchConfig) -> ShardLayout:
+        layouts.append(ShardLayout(arch, group.info))
+        return layouts[0]
+
+    loaded = load_model(config.model, dtype, torch.device("cpu"), config.tokenizer,
+                        config.gguf_quantized_max_tokens, config.int8_activations(),
+                        config.batch_invariant, shard_for=shard_for)
+    loaded.model = ParallelCausalLM(loaded.model, layouts[0], group)
+    logger.info("Rank %d holds %s", group.info.rank, layouts[0].describe())
+    return loaded, layouts[0]
+
+
+class MultiprocExecutor:
+    """Starts the workers, joins the process group with them and loads rank 0's shard."""
+
+    def __init__(self, parallel: ParallelConfig, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError("tensor and pipeline parallelism run on CPU (gloo) here; CUDA "
+                             "(NCCL) ranks are not supported by pagellm yet.")
+        self.parallel = parallel
+        self.init_method = f"tcp://{rendezvous_host()}:{free_port()}"
+        self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                             self.init_method)
+        self.processes: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.layout: ShardLayout | None = None
+        # rank 0 pins the threads of the process it runs in: put them back at the end
+        self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.processes,
+                                           os.sched_getaffinity(0), torch.get_num_threads())
+
+    def load(self, config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
+             block_size: int) -> LoadedModel:
+        """Start every rank, run the preflight, load each rank's shard (workers in parallel
+        with the driver)."""
+        world = self.info.world_size
+        cores = pin_threads(0, world)
+        logger.info("Starting %d worker processes for tensor parallel size %d x pipeline "
+                    "parallel size %d (backend gloo, rendezvous %s); rank 0 on cores %s",
+                    world - 1, self.info.tp_size, self.info.pp_size, self.init_method, cores)
+        self._start_workers(config, dtype, kv_cache_dtype, block_size)
+        group = init_rank(self.info)
+        loaded, self.layout = load_rank_model(config, dtype, group)
+        self._wait_workers("loading its shard")
+        return loaded
+
+    def _start_workers(self, config: ModelConfig, dtype: torch.dtype,
+                       kv_cache_dtype: torch.dtype, block_size: int) -> None:
+        authkey = secrets.token_bytes(32)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            env = {**os.environ, WORKER_ADDRESS_ENV: "127.0.0.1:%d" % server.getsockname()[1],
+                   WORKER_AUTHKEY_ENV: authkey.hex()}
+            # c10d's C++ stack traces would bury the driver's one-line error
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+            for rank in range(1, self.info.world_size):
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "pagellm.distributed.worker"],
+                    env={**env, WORKER_RANK_ENV: str(rank)}))
+            by_rank = self._accept(server, authkey)
+        self.conns.extend(by_rank[rank] for rank in sorted(by_rank))
+        for rank, conn in enumerate(self.conns, start=1):
+            info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method)
+            conn.send(WorkerInit(info, config, dtype, kv_cache_dtype, block_size))
+
+    def _accept(self, server: socket.socket, authkey: bytes) -> dict[int, Connection]:
+        """Each worker connects, passes the challenge and says its rank."""
+        deadline = time.monotonic() + max(60.0, 3 * join_timeout())  # a cold import is slow
+        by_rank: dict[int, Connection] = {}
+        while len(by_rank) < self.info.world_size - 1:
+            dead = [p.pid for p in self.processes if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"worker process(es) {dead or 'not connecting'} did not "
+                                   "start; see their log above.")
+            server.settimeout(1.0)
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            deliver_challenge(conn, authkey)
+            by_rank[int(conn.recv())] = conn
+        return by_rank
+
+    def _wait_workers(self, stage: str) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                message = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"worker rank {rank} died while {stage}; see its log "
+                                   "above.") from None
+            if isinstance(message, WorkerFailed):
+                raise ValueError(message.message)
+
+    def driver_runner(self, model: ParallelCausalLM, arch: ArchConfig,
+                      *args: object) -> "DriverRunner":
+        """Rank 0's runner over its shard, for the model runner's other arguments."""
+        assert self.layout is not None
+        return DriverRunner(self, arch, model, self.layout.local_arch, *args)
+
+    def send_step(self, chunks: list[StepChunk]) -> None:
+        for conn in self.conns:
+            conn.send(chunks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The last stage of start-up; from here on a worker's death ends the engine."""
+        for conn in self.conns:
+            conn.send(AllocateKVCache(num_blocks))
+        self._wait_workers("allocating its KV cache")
+        threading.Thread(target=self._watch_workers, name="WorkerMonitor", daemon=True).start()
+
+    def _watch_workers(self) -> None:
+        """A dead rank leaves the others waiting in a collective: in the engine core's own
+        process (a child of the server, which then answers 503 and exits non-zero), exit at
+        once; in a process of the user's (the offline LLM), the next step fails instead."""
+        while self._finalizer.alive:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is None or not self._finalizer.alive:
+                    continue
+                logger.error("Worker rank %d (pid %d) died with exit code %s; the engine "
+                             "stops.", rank, process.pid, process.returncode)
+                if multiprocessing.parent_process() is not None:
+                    os._exit(1)
+                return
+            time.sleep(_WATCH_SECONDS)
+
+    def max_layers_per_stage(self, arch: ArchConfig) -> int:
+        return max(layer_partition(arch.num_hidden_layers, self.info.pp_size))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop_workers(conns: list[Connection], processes: list[subprocess.Popen],
+                  cores: set[int], threads: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for conn in conns:
+        try:
+            conn.send(StopWorker())
+        except OSError:
+            pass
+        conn.close()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's model runner: the same steps, with the plan sent to the workers first and a
+    KV cache sized so that the stage holding the most layers fits its budget."""
+
+    def __init__(self, executor: MultiprocExecutor, full_arch: ArchConfig,
+                 *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.executor = executor
+        self._max_layers = executor.max_layers_per_stage(full_arch)
+
+    def block_bytes(self) -> int:
+        return super().block_bytes() // self.arch.num_hidden_layers * self._max_layers
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.executor.allocate_kv_cache(num_blocks)
+        super().allocate_kv_cache(num_blocks)
+
+    def prepare_inputs(self, chunks: list[StepChunk]):
+        self.executor.send_step(chunks)
+        return super().prepare_inputs(chunks)

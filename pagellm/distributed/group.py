@@ -1,0 +1,209 @@
+"""The process group of one engine: who a rank is, its tensor and pipeline groups, the
+collectives the model calls, and the preflight every rank runs before any weight loads.
+
+Ranks are laid out as vLLM lays them out: global rank = pp_rank * tp_size + tp_rank; rank 0
+(the driver, in the engine core's process) samples.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+HOST_IP_ENV_VARS = ("PAGELLM_HOST_IP", "VLLM_HOST_IP")
+THREADS_BIND_ENV_VARS = ("PAGELLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
+TIMEOUT_ENV_VAR = "PAGELLM_DIST_TIMEOUT"  # seconds a rank may take to join and to preflight
+DEFAULT_JOIN_TIMEOUT = 20.0
+
+
+class PreflightError(RuntimeError):
+    """A rank could not join or talk: one line naming it and what to set."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    tp_size: int
+    pp_size: int
+    init_method: str  # tcp://address:port of the rendezvous
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+class ParallelGroup:
+    """This rank's view of the world: its tensor parallel group and its pipeline neighbours."""
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+        self._tp_groups = [dist.new_group(list(range(stage * info.tp_size,
+                                                     (stage + 1) * info.tp_size)))
+                           for stage in range(info.pp_size)]
+        self.tp_group = self._tp_groups[info.pp_rank]
+        self.tp_root = info.pp_rank * info.tp_size  # global rank of tp rank 0 of this stage
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.info.tp_size > 1:
+            dist.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    def gather_to_root(self, local: torch.Tensor) -> torch.Tensor | None:
+        """The tensor parallel shards cat along the last dim on this stage's tp rank 0."""
+        if self.info.tp_size == 1:
+            return local
+        local = local.contiguous()
+        parts = ([torch.empty_like(local) for _ in range(self.info.tp_size)]
+                 if self.info.tp_rank == 0 else None)
+        dist.gather(local, parts, dst=self.tp_root, group=self.tp_group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor.contiguous(), self.info.rank + self.info.tp_size)
+
+    def recv_previous(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.recv(tensor, self.info.rank - self.info.tp_size)
+        return tensor
+
+
+def join_timeout() -> float:
+    return float(os.environ.get(TIMEOUT_ENV_VAR, DEFAULT_JOIN_TIMEOUT))
+
+
+def rendezvous_host() -> str:
+    """The address ranks meet at: the node's advertised IP if set, else loopback."""
+    return next((os.environ[name] for name in HOST_IP_ENV_VARS if os.environ.get(name)),
+                "127.0.0.1")
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def init_rank(info: RankInfo) -> ParallelGroup:
+    """Join the gloo group within the timeout, then run the preflight; any failure is a
+    PreflightError of one line."""
+    timeout = join_timeout()
+    hint = ("check that every rank can reach it; set VLLM_HOST_IP (or PAGELLM_HOST_IP) to "
+            "this node's reachable address and GLOO_SOCKET_IFNAME to its interface")
+    try:
+        dist.init_process_group("gloo", init_method=info.init_method, rank=info.rank,
+                                world_size=info.world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError, OSError) as error:
+        raise PreflightError(f"rank {info.rank} could not join the process group at "
+                             f"{info.init_method} within {timeout:g} s (backend gloo): "
+                             f"{_first_line(error)}; {hint}.") from None
+    group = ParallelGroup(info)
+    try:
+        _preflight(group)
+    except RuntimeError as error:
+        raise PreflightError(f"rank {info.rank}: the preflight all-reduce / send-recv over "
+                             f"{info.init_method} failed (backend gloo): {_first_line(error)}; "
+                             f"{hint}.") from None
+    return group
+
+
+def _preflight(group: ParallelGroup) -> None:
+    """One all-reduce over the world and one send/recv around a ring, before any weight loads:
+    a rank that cannot talk fails here in seconds instead of hanging the first step."""
+    info = group.info
+    start = time.perf_counter()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if int(total.item()) != info.world_size:
+        raise RuntimeError(f"the all-reduce summed {int(total.item())}, not {info.world_size}")
+    if info.world_size > 1:
+        right, left = (info.rank + 1) % info.world_size, (info.rank - 1) % info.world_size
+        sent, got = torch.tensor([info.rank]), torch.empty(1, dtype=torch.long)
+        requests = [dist.isend(sent, right), dist.irecv(got, left)]
+        for request in requests:
+            request.wait()
+        if int(got.item()) != left:
+            raise RuntimeError(f"the ring send/recv got {int(got.item())}, not {left}")
+    host = info.init_method.removeprefix("tcp://").rpartition(":")[0]
+    logger.info("Preflight of rank %d (tp %d, pp %d) passed in %.3f s: address %s, interface "
+                "%s, backend gloo", info.rank, info.tp_rank, info.pp_rank,
+                time.perf_counter() - start, host, interface_of(host))
+
+
+def interface_of(address: str) -> str:
+    """The network interface gloo uses: GLOO_SOCKET_IFNAME, else the one holding `address`."""
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
+    if chosen:
+        return chosen
+    try:
+        import psutil
+    except ImportError:
+        return "unknown"
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address == address for entry in addresses):
+            return name
+    return "unknown"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def pin_threads(rank: int, world_size: int) -> list[int]:
+    """Give this rank its own cores (VLLM_CPU_OMP_THREADS_BIND's `0-1|2-3` if set, else an
+    even split of the cores this process may use) and one torch thread per core."""
+    cores = _bound_cores(rank, world_size)
+    if cores is None:
+        available = sorted(os.sched_getaffinity(0))
+        share = max(1, len(available) // world_size)
+        cores = available[rank * share:(rank + 1) * share] or [available[rank % len(available)]]
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return cores
+
+
+def _bound_cores(rank: int, world_size: int) -> list[int] | None:
+    for name in THREADS_BIND_ENV_VARS:
+        text = os.environ.get(name)
+        if not text or text in ("auto", "all"):
+            continue
+        lists = text.split("|")
+        if len(lists) != world_size:
+            raise ValueError(f"{name}={text} lists {len(lists)} core sets for {world_size} "
+                             "ranks; separate one set per rank with '|'.")
+        return _parse_cores(lists[rank])
+    return None
+
+
+def _parse_cores(text: str) -> list[int]:
+    cores: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores

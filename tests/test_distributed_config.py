@@ -1,0 +1,94 @@
+"""The parallel flags (vLLM's names, short forms, defaults), the layer split and the refusals
+of what is not built yet; no process is started here."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.distributed.config import ParallelArgs, get_pp_indices, layer_partition
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.cli import build_parser
+
+
+def _engine_args(*argv: str) -> EngineArgs:
+    return EngineArgs.from_cli_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_short_flags_and_defaults() -> None:
+    defaults = _engine_args()
+    assert [getattr(defaults, name) for name in (
+        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+        "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_rank",
+        "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "headless",
+        "api_server_count", "distributed_executor_backend", "nnodes", "node_rank",
+        "master_addr", "master_port")] == [1, 1, 1, None, 0, None, "127.0.0.1", 29550, "mp",
+                                           False, 1, None, 1, 0, "127.0.0.1", 29501]
+    args = _engine_args("-tp", "2", "-pp", "3", "-dp", "4", "-dpl", "2", "-dpr", "2", "-dpn",
+                        "1", "-dpa", "10.0.0.1", "-dpp", "13345", "-dpb", "ray", "--headless",
+                        "--api-server-count", "8", "--nnodes", "2", "--node-rank", "1",
+                        "--master-addr", "10.0.0.2", "--master-port", "29600",
+                        "--distributed-executor-backend", "mp")
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
+            args.data_parallel_size_local, args.data_parallel_start_rank,
+            args.data_parallel_rank, args.data_parallel_address, args.data_parallel_rpc_port,
+            args.data_parallel_backend, args.headless, args.api_server_count, args.nnodes,
+            args.node_rank, args.master_addr, args.master_port,
+            args.distributed_executor_backend) == (2, 3, 4, 2, 2, 1, "10.0.0.1", 13345, "ray",
+                                                   True, 8, 2, 1, "10.0.0.2", 29600, "mp")
+
+
+def test_executor_is_chosen_as_vllm_chooses() -> None:
+    assert ParallelArgs().parallel_config().distributed_executor_backend == "uni"
+    config = ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel_config()
+    assert (config.world_size, config.distributed_executor_backend) == (4, "mp")
+    with pytest.raises(ValueError, match="'uni' runs one process; a world size of 2 needs"):
+        ParallelArgs(tensor_parallel_size=2,
+                     distributed_executor_backend="uni").parallel_config()
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ({"data_parallel_size": 2}, "data parallelism"),
+    ({"distributed_executor_backend": "ray"}, "'ray'"),
+    ({"headless": True}, "--headless"),
+    ({"nnodes": 2}, "multi-node without Ray"),
+    ({"api_server_count": 4}, "api_server_count 4"),
+    ({"data_parallel_rank": 0}, "data_parallel_rank"),
+])
+def test_unbuilt_combinations_are_refused(overrides: dict, refused: str) -> None:
+    with pytest.raises(ValueError, match="is not supported by pagellm yet") as error:
+        ParallelArgs(**overrides).parallel_config()
+    assert refused in str(error.value)
+
+
+def test_sizes_below_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1, got 0"):
+        ParallelArgs(tensor_parallel_size=0).parallel_config()
+
+
+@pytest.mark.parametrize("layers, stages, expected", [
+    (22, 4, [5, 6, 6, 5]), (3, 2, [2, 1]), (30, 2, [15, 15]), (7, 3, [2, 3, 2]),
+])
+def test_layer_split_gives_the_remainder_to_the_stages_before_the_last(
+        layers: int, stages: int, expected: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PAGELLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION"):
+        monkeypatch.delenv(name, raising=False)
+    assert layer_partition(layers, stages) == expected
+    bounds = [get_pp_indices(layers, rank, stages) for rank in range(stages)]
+    assert [stop - start for start, stop in bounds] == expected
+    assert bounds[0][0] == 0 and bounds[-1][1] == layers
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(stages - 1))
+
+
+@pytest.mark.parametrize("name", ["VLLM_PP_LAYER_PARTITION", "PAGELLM_PP_LAYER_PARTITION"])
+def test_layer_partition_from_the_environment(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, "1,3")
+    assert get_pp_indices(4, 1, 2) == (1, 4)
+    monkeypatch.setenv(name, "1,1,2")
+    with pytest.raises(ValueError, match=r"len\(partition\)=3 does not match pp_size=2\."):
+        layer_partition(4, 2)
+    monkeypatch.setenv(name, "1,2")
+    with pytest.raises(ValueError, match=r"sum\(partition\)=3 does not match num_layers=4\."):
+        layer_partition(4, 2)
+    monkeypatch.setenv(name, "a,b")
+    with pytest.raises(ValueError, match="Invalid partition string: a,b"):
+        layer_partition(4, 2)
