@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagellm.core.block_map import BlockMap
 from pagellm.request import Request
 from pagellm.sample.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from pagellm.lora.metrics import LoRAStats
 
 
 @dataclass(frozen=True)
@@ -133,4 +137,5 @@ class SchedulerStats:
     num_preemptions_recompute: int = 0
     offload: OffloadStats | None = None  # None when there is no second KV tier
     block_map: BlockMap | None = None  # the engine view's picture, at most once a second
+    lora: "LoRAStats | None" = None  # with --enable-lora
 

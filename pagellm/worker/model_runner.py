@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
+
+if TYPE_CHECKING:
+    from pagellm.lora.manager import LoRAModelManager
 
 logger = init_logger(__name__)
 
@@ -57,6 +61,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.offload_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.lora: LoRAModelManager | None = None  # set by the engine core with --enable-lora
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         if device.type == "cpu":  # build (or load) the kernels now, not at the first decode
@@ -222,8 +227,16 @@ class ModelRunner:
         if step.is_empty:
             return output
         inputs = self.prepare_inputs(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
-                            inputs.output_rows)
+        if self.lora is not None:  # each item's adapter slot, then each token's
+            slots = self.lora.activate([s.request.lora for s in step.scheduled])
+            self.lora.set_step(np.repeat(slots, [s.num_tokens for s in step.scheduled]),
+                               inputs.output_rows)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.metadata, inputs.output_rows)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if inputs.output_rows.numel() == 0:
             return output
         logits = self.model.compute_logits(hidden)
