@@ -62,3 +62,15 @@ def reference_logprobs(model_dir: Path, adapter: Path | None,
         logits = model(torch.tensor([prompt + generated])).logits[0].float()
         results.append(torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1))
     return results
+
+
+@torch.no_grad()
+def peft_greedy(model_dir: Path, adapter: Path | None, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens of peft + transformers (float32), no end token."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
