@@ -41,6 +41,15 @@ def test_bad_flag_is_one_line_exit_2() -> None:
     assert "unrecognized arguments: --no-such-flag" in result.stderr
 
 
+def test_underscore_flags_mean_dashed_ones_and_prefixes_are_not_guessed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(
+        ["serve", "--served_model_name", "my_model", "--max_model_len=512", "--api-key", "a_b"])
+    assert (args.served_model_name, args.max_model_len, args.api_key) == (["my_model"], 512, "a_b")
+    code, err = one_line_error(["serve", "--max-model", "512"], capsys)
+    assert code == 2 and "unrecognized arguments: --max-model" in err
+
+
 def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """Exit code and stderr of `pagellm ARGV`, which must fail with exactly one line."""
     try:

@@ -15,10 +15,29 @@ from pagellm.model.errors import ModelLoadError
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad flags or values end in one line on stderr, never a traceback."""
+    """vLLM's flag spelling rules; bad flags or values end in one line on stderr, never a traceback.
+
+    As in vLLM, `--max_model_len` means `--max-model-len`, and a flag is never matched by a prefix
+    of its name (`--max-model` is an error, not a guess)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        words = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashed_flag(word) for word in words], namespace)
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _dashed_flag(word: str) -> str:
+    """`--served_model_name=x_y` -> `--served-model-name=x_y`: only a long flag's name changes."""
+    if not word.startswith("--"):
+        return word
+    name, equals, value = word.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagellm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
-                                                 ToolCall)
+from pagellm.entrypoints.openai.response_models import (DeltaFunctionCall, DeltaToolCall,
+                                                        FunctionCall, ToolCall)
 from pagellm.entrypoints.openai.reasoning import ReasoningParser
 from pagellm.entrypoints.openai.tool_parsers.core import ToolCallStreamer, ToolParser
 

@@ -15,12 +15,10 @@ from functools import partial
 from pagellm.entrypoints.openai.chat_output import ChoiceOutput
 from pagellm.entrypoints.openai.cli_args import ToolSettings
 from pagellm.entrypoints.openai.errors import OpenAIError
-from pagellm.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompletionChunk,
-                                                 ChatCompletionLogProbs, ChatCompletionRequest,
-                                                 ChatCompletionResponse,
-                                                 ChatCompletionStreamChoice, ChatLogProb,
-                                                 ChatLogProbsContent, ChatMessage, DeltaMessage,
-                                                 NamedToolChoice)
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from pagellm.entrypoints.openai.response_models import (
+    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProbs, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
 from pagellm.entrypoints.openai.reasoning import reasoning_parser
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, token_logprobs
 from pagellm.entrypoints.openai.structured import requested_constraint, tool_choice_constraint

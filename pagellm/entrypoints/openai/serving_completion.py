@@ -8,8 +8,9 @@ from functools import partial
 
 from pagellm.engine.input_processor import ProcessedPrompt
 from pagellm.entrypoints.openai.errors import OpenAIError
-from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
-                                                 CompletionRequest, CompletionResponse)
+from pagellm.entrypoints.openai.protocol import CompletionRequest
+from pagellm.entrypoints.openai.response_models import (CompletionChoice, CompletionLogProbs,
+                                                        CompletionResponse)
 from pagellm.entrypoints.openai.serving_engine import (Job, OpenAIServing, SequenceResult,
                                                        token_logprobs)
 from pagellm.entrypoints.openai.structured import requested_constraint
