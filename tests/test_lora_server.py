@@ -102,6 +102,8 @@ def test_runtime_load_use_reload_and_unload(server: RemoteServer, tiny_llama_dir
         completion_text(client, "late")
     gone = post(server, "unload_lora_adapter", {"lora_name": "late"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
+    clash = post(server, "load_lora_adapter", {"lora_name": "tiny", "lora_path": path})
+    assert clash.status_code == 400 and "conflicts with a served base model" in clash.text
 
 
 @pytest.mark.parametrize(("folder", "status", "words"), [

@@ -189,7 +189,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                  Drain(admission, settings.limits.shutdown_timeout))
     if settings.engine_args.enable_lora:
         lora = app.state.pagellm.lora = LoRAAdapters(engine, settings.lora,
-                                                     settings.model_names[0])
+                                                     settings.model_names)
         if settings.lora.runtime_updating:
             add_lora_routes(app, lora)
     for method, path, endpoint in ROUTES:

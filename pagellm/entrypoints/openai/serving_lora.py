@@ -38,8 +38,9 @@ class UnloadLoRAAdapterRequest(OpenAIRequestModel):
 class LoRAAdapters:
     """The front end's adapters: names, integer ids and parents."""
 
-    def __init__(self, engine: AsyncLLM, settings: LoRAServerSettings, base_name: str) -> None:
-        self.engine, self.settings, self.base_name = engine, settings, base_name
+    def __init__(self, engine: AsyncLLM, settings: LoRAServerSettings,
+                 model_names: list[str]) -> None:
+        self.engine, self.settings, self.model_names = engine, settings, model_names
         self._ids = itertools.count(1)
         self.parents: dict[str, str] = {}
 
@@ -50,8 +51,11 @@ class LoRAAdapters:
                                         module.base_model_name))
 
     async def _add(self, request: LoRARequest, replace: bool = False) -> None:
+        if request.lora_name in self.model_names:
+            raise ValueError(f"The lora adapter name '{request.lora_name}' conflicts with a "
+                             "served base model.")
         await self.engine.add_lora(request, replace)
-        self.parents[request.lora_name] = request.base_model_name or self.base_name
+        self.parents[request.lora_name] = request.base_model_name or self.model_names[0]
         logger.info("Loaded new LoRA adapter: name '%s', path '%s'", request.lora_name,
                     request.lora_path)
 
