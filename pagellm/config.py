@@ -61,6 +61,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     preemption_mode: str = "auto"
+    max_loras: int = 0  # distinct LoRA adapters among the running requests; 0: LoRA is off
 
     def validate(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

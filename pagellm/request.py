@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagellm.lora.manager import LoadedLoRA
+    from pagellm.lora.request import LoRARequest
     from pagellm.spec_decode.draft import Draft
     from pagellm.structured_outputs.manager import RequestGrammar
 
@@ -72,6 +74,18 @@ class Request:
     swapped_block_ids: list[int] = field(default_factory=list)  # tier-2 blocks while swapped out
     grammar: "RequestGrammar | None" = None  # set by the engine core for structured outputs
     draft: "Draft | None" = None  # speculative decoding: tokens proposed for the next step
+    lora_request: "LoRARequest | None" = None  # the adapter asked for; None: the base model
+    lora: "LoadedLoRA | None" = None  # set by the engine core: that adapter's weights
+
+    @property
+    def lora_key(self) -> int:
+        """The integer the scheduler counts adapters by (one per adapter content); 0: none."""
+        return self.lora.key if self.lora is not None else 0
+
+    @property
+    def lora_hash(self) -> bytes | None:
+        """The adapter's content hash, a key of the request's prefix-cache block hashes."""
+        return self.lora.content_hash if self.lora is not None else None
 
     @property
     def schedulable(self) -> bool:

@@ -2,7 +2,8 @@
 
 With prefix caching, each full block of a request is named by a hash chained
 from its parent block's hash, its token ids and extra keys (the request's
-`cache_salt`). A new request starts from the longest run of cached blocks
+`cache_salt`, and the content hash of its LoRA adapter, so that an adapter reloaded under
+the same name never reuses KV computed with its old weights). A new request starts from the longest run of cached blocks
 matching its tokens, but always computes at least its last token, whose
 logits it needs.
 
@@ -31,9 +32,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None,
+               lora_hash: bytes | None = None) -> BlockHash:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(parent if parent is not None else (salt or "").encode())
+    if parent is None and lora_hash is not None:
+        digest.update(lora_hash)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -59,7 +63,7 @@ class KVCacheManager:
         for index in range(len(hashes), request.num_tokens // size):
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[index * size:(index + 1) * size]
-            hashes.append(hash_block(parent, tokens, request.cache_salt))
+            hashes.append(hash_block(parent, tokens, request.cache_salt, request.lora_hash))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks matching the request's tokens, leaving one to compute."""

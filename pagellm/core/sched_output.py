@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagellm.core.block_map import BlockMap
 from pagellm.request import Request
 from pagellm.sample.sampler import TokenLogprobs
 from pagellm.spec_decode.metrics import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from pagellm.lora.metrics import LoRAStats
 
 
 @dataclass(frozen=True)
@@ -143,4 +147,5 @@ class SchedulerStats:
     offload: OffloadStats | None = None  # None when there is no second KV tier
     block_map: BlockMap | None = None  # the engine view's picture, at most once a second
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+    lora: "LoRAStats | None" = None  # with --enable-lora
 

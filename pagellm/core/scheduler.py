@@ -132,8 +132,14 @@ class Scheduler:
 
     def _next_waiting(self) -> Request | None:
         """The first waiting request that can run: one whose grammar still compiles is passed
-        over, so it holds up no one behind it."""
-        return next((r for r in self.waiting if r.schedulable), None)
+        over, so it holds up no one behind it, and so is one whose LoRA adapter would make
+        the running requests' distinct adapters more than max_loras."""
+        if not self.config.max_loras:
+            return next((r for r in self.waiting if r.schedulable), None)
+        active = {r.lora_key for r in self.running} - {0}
+        room = len(active) < self.config.max_loras
+        return next((r for r in self.waiting if r.schedulable
+                     and (room or r.lora_key in active or not r.lora_key)), None)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -226,7 +232,8 @@ class Scheduler:
             sampling_params=parent.sampling_params, max_tokens=parent.max_tokens,
             eos_token_id=parent.eos_token_id, arrival_time=parent.arrival_time,
             parent_id=parent.request_id, index=index,
-            grammar=parent.grammar.fork() if parent.grammar is not None else None)
+            grammar=parent.grammar.fork() if parent.grammar is not None else None,
+            lora_request=parent.lora_request, lora=parent.lora)
         self.kv.fork(parent, child)
         self.requests[child.request_id] = child
         self.waiting.appendleft(child)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_transfer_config
 from pagellm.distributed.config import PARALLEL_FIELDS, ParallelArgs
 from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from pagellm.lora.config import LoRAConfig
 from pagellm.structured_outputs.params import StructuredOutputsConfig
 
 _GIB = 1 << 30
@@ -73,6 +74,13 @@ _HELP = {
     "num_speculative_tokens": "old spelling of speculative_config num_speculative_tokens",
     "ngram_prompt_lookup_max": "old spelling of speculative_config prompt_lookup_max",
     "ngram_prompt_lookup_min": "old spelling of speculative_config prompt_lookup_min",
+    "enable_lora": "serve LoRA adapters (PEFT folders) on top of the model; a request picks "
+                   "one by its model name",
+    "max_loras": "most distinct LoRA adapters in one step (adapter slots)",
+    "max_lora_rank": "largest LoRA rank an adapter may have (1, 8, 16, 32, 64, 128, 256, 320 "
+                     "or 512): the size of the slots",
+    "max_cpu_loras": "loaded LoRA adapters kept in host memory, least recently used evicted "
+                     "first (default: --max-loras)",
 }
 
 
@@ -110,6 +118,15 @@ class EngineArgs(ParallelArgs):
     num_speculative_tokens: int | None = None
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -178,8 +195,10 @@ class EngineArgs(ParallelArgs):
     def scheduler_config(self) -> SchedulerConfig:
         config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                  max_num_batched_tokens=self.max_num_batched_tokens,
-                                 preemption_mode=self.preemption_mode)
+                                 preemption_mode=self.preemption_mode,
+                                 max_loras=self.max_loras if self.enable_lora else 0)
         config.validate()
+        self.lora_config()  # bad LoRA limits fail with the other flags
         if config.preemption_mode == "swap" and not self.offload_bytes():
             raise ValueError("preemption_mode 'swap' needs a second KV tier: set "
                              "kv_offloading_size or kv_transfer_config.")

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import EngineCoreClient, KVCacheReport, StepResult
+from pagellm.engine.core_client import (AddLoRA, EngineCoreClient, KVCacheReport, RemoveLoRA,
+                                        StepResult)
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.tokenizer_pool import TokenizerPool
 from pagellm.logger import init_logger
+from pagellm.lora.request import LoRARequest
 from pagellm.metrics.loggers import (LOG_INTERVAL_SECONDS, LoggingStatLogger,
                                      PrometheusStatLogger, StatLogger)
 from pagellm.metrics.stats import IterationStats
@@ -56,6 +58,7 @@ class AsyncLLM:
             kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
             self.stat_loggers = [LoggingStatLogger(kv_label), PrometheusStatLogger(self.model_name)]
         self._log_task: asyncio.Task | None = None
+        self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = True) -> "AsyncLLM":
@@ -90,13 +93,31 @@ class AsyncLLM:
             raise EngineDeadError("the engine core process is not running.")
         return await asyncio.wrap_future(self.client.check_kv_cache())
 
+    async def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> None:
+        """Load and check an adapter in the engine core, then serve it under its name; a
+        ValueError says why it cannot be served."""
+        await self._lora_call(AddLoRA(lora_request, replace))
+        self.lora_adapters[lora_request.lora_name] = lora_request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        lora_request = self.lora_adapters.pop(lora_name)
+        await self._lora_call(RemoveLoRA(lora_request.lora_int_id))
+
+    async def _lora_call(self, message: AddLoRA | RemoveLoRA) -> None:
+        if self._dead:
+            raise EngineDeadError("the engine core process is not running.")
+        reply = await asyncio.wrap_future(self.client.lora_call(message))
+        if reply.error is not None:
+            raise ValueError(reply.error)
+
     def on_death(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the event loop once the engine core dies (after failing requests)."""
         self._bind_loop()
         self._death_callbacks.append(callback)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs; leaving the loop early aborts the request and frees its blocks."""
         if self._dead:
             raise EngineDeadError("the engine core process is not running.")
@@ -105,7 +126,8 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use.")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process_prompt(prompt)
-        request = self.input_processor.make_request(request_id, prompt, params)
+        request = self.input_processor.make_request(request_id, prompt, params,
+                                                    lora_request=lora_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request_id, prompt.text, prompt.token_ids,

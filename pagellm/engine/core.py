@@ -21,6 +21,8 @@ from pagellm.distributed import start_executor
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
+from pagellm.lora.config import LoRAConfig
+from pagellm.lora.request import LoRARequest
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from pagellm.request import Request, RequestStatus
@@ -40,11 +42,16 @@ class EngineCore:
                  scheduler_config: SchedulerConfig, device: torch.device,
                  structured_outputs_config: StructuredOutputsConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None,
-                 parallel_config: ParallelConfig | None = None) -> None:
+                 parallel_config: ParallelConfig | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
         kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        if parallel_config is not None and parallel_config.world_size > 1 and (
+                speculative_config is not None or lora_config is not None):
+            raise ValueError("Speculative decoding and LoRA with tensor or pipeline parallelism "
+                             "are not supported by pagellm yet.")
         self.executor = start_executor(parallel_config, cache_config, device)
         self.loaded: LoadedModel = self._load(model_config, kv_cache_dtype,
                                               cache_config.block_size)
@@ -63,6 +70,12 @@ class EngineCore:
                        model_config.batch_invariant)
         self.runner = (ModelRunner(*runner_args) if self.executor is None
                        else self.executor.driver_runner(*runner_args))
+        self.lora = None
+        if lora_config is not None:  # before the KV cache: its slots take memory too
+            from pagellm.lora.manager import LoRAModelManager
+
+            self.lora = self.runner.lora = LoRAModelManager(self.loaded.model, lora_config,
+                                                            self.dtype, device)
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         logger.info("Allocating the KV cache: %s blocks of %s tokens", f"{self.num_blocks:,}",
                     cache_config.block_size)
@@ -76,6 +89,7 @@ class EngineCore:
         self.spec_decoder = (self._make_spec_decoder(speculative_config, model_config,
                                                      kv_cache_dtype)
                              if speculative_config is not None else None)
+        self._failed: list[Request] = []  # requests whose adapter failed to load
         self._block_map_time = float("-inf")
         self.structured_outputs = StructuredOutputManager(
             self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
@@ -188,18 +202,40 @@ class EngineCore:
                          num_kv_blocks=self.num_blocks)
 
     def add_request(self, request: Request) -> None:
+        """A request whose adapter fails to load (evicted from the LRU, then its files
+        changed) is logged and aborted at the next step."""
+        if request.lora_request is not None:
+            try:
+                request.lora = self._lora().attach(request.lora_request)
+            except ValueError as error:
+                logger.error("Request %s: %s", request.request_id, error)
+                self._failed.append(request)
+                return
         if request.sampling_params.structured_outputs is not None:
             self.structured_outputs.attach(request)
         self.scheduler.add_request(request)
+
+    def _lora(self):
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora "
+                             "(--enable-lora).")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> None:
+        """Load and check an adapter now (a ValueError says why it cannot be served)."""
+        self._lora().add_lora(lora_request, replace)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora().remove_lora(lora_int_id)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._failed) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
-        failed = self._finish_failed_grammars()
+        failed = self._finish_failed_grammars() + self._finish_failed_loras()
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running, set(self.scheduler.requests))
         scheduled = self.scheduler.schedule()
@@ -227,12 +263,19 @@ class EngineCore:
                                          [], [], request.status.finish_reason))
         return updates
 
+    def _finish_failed_loras(self) -> list[RequestUpdate]:
+        failed, self._failed = self._failed, []
+        return [RequestUpdate(r.request_id, r.parent_id, r.index, [], [],
+                              RequestStatus.FINISHED_ABORTED.finish_reason) for r in failed]
+
     def make_stats(self) -> SchedulerStats:
         """The scheduler's record, with a map of the KV blocks once a second and whenever the
         engine falls idle (so the last map shown is never one of a busy cache)."""
         stats = self.scheduler.make_stats()
         if self.spec_decoder is not None:
             stats.spec_decoding = self.spec_decoder.stats.copy()
+        if self.lora is not None:
+            stats.lora = self.lora.stats(self.scheduler.running, self.scheduler.waiting)
         now = time.monotonic()
         idle = not self.has_unfinished_requests()
         if idle or now - self._block_map_time >= BLOCK_MAP_INTERVAL_SECONDS:

@@ -23,6 +23,7 @@ from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.logger import init_logger
+from pagellm.lora.request import LoRARequest
 from pagellm.model.errors import ModelLoadError
 from pagellm.request import Request, RequestStatus
 
@@ -79,6 +80,24 @@ class KVCacheReport:
     problem: str | None  # None: free + used == total, refcounts match the block tables
 
 
+@dataclass
+class AddLoRA:
+    """Load and check an adapter (`replace`: read its files again); answered by LoRAReply."""
+
+    lora_request: LoRARequest
+    replace: bool = False
+
+
+@dataclass
+class RemoveLoRA:
+    lora_int_id: int
+
+
+@dataclass
+class LoRAReply:
+    error: str | None  # None: done
+
+
 class _Shutdown:
     pass
 
@@ -95,7 +114,7 @@ def run_engine_core(conn: Connection, args: EngineArgs) -> None:
     try:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                           resolve_device(args.device), args.grammar_config(),
-                          args.speculative(), args.parallel_config())
+                          args.speculative(), args.parallel_config(), args.lora_config())
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         conn.send(CoreFailed(str(error), isinstance(error, ModelLoadError)))
         return
@@ -132,7 +151,20 @@ def _handle(core, conn: Connection, message: object) -> bool:
         core.finish_requests(message.request_ids, message.status)
     elif isinstance(message, CheckKVCache):
         conn.send(_kv_cache_report(core.scheduler))
+    elif isinstance(message, (AddLoRA, RemoveLoRA)):
+        conn.send(_lora_reply(core, message))
     return not isinstance(message, _Shutdown)
+
+
+def _lora_reply(core, message: AddLoRA | RemoveLoRA) -> LoRAReply:
+    try:
+        if isinstance(message, AddLoRA):
+            core.add_lora(message.lora_request, message.replace)
+        else:
+            core.remove_lora(message.lora_int_id)
+    except ValueError as error:
+        return LoRAReply(str(error))
+    return LoRAReply(None)
 
 
 def _kv_cache_report(scheduler) -> KVCacheReport:
@@ -160,6 +192,7 @@ class EngineCoreClient:
         self.ready = self._wait_ready()
         self._send_lock = threading.Lock()
         self._kv_reports: list[Future[KVCacheReport]] = []
+        self._lora_replies: list[Future[LoRAReply]] = []
         self._on_result, self._on_dead = on_result, on_dead
         self._reader = threading.Thread(target=self._read_results, name="EngineCoreOutput",
                                         daemon=True)
@@ -187,10 +220,12 @@ class EngineCoreClient:
                 message = self._conn.recv()
                 if isinstance(message, KVCacheReport):
                     self._kv_reports.pop(0).set_result(message)
+                elif isinstance(message, LoRAReply):
+                    self._lora_replies.pop(0).set_result(message)
                 else:
                     self._on_result(message)
         except (EOFError, OSError):
-            for waiting in self._kv_reports:
+            for waiting in [*self._kv_reports, *self._lora_replies]:
                 waiting.set_exception(RuntimeError("the engine core process died"))
             self._on_dead()
 
@@ -212,6 +247,13 @@ class EngineCoreClient:
             self._kv_reports.append(report)
             self._conn.send(CheckKVCache())
         return report
+
+    def lora_call(self, message: AddLoRA | RemoveLoRA) -> Future[LoRAReply]:
+        reply: Future[LoRAReply] = Future()
+        with self._send_lock:  # the replies come in the order of the asks
+            self._lora_replies.append(reply)
+            self._conn.send(message)
+        return reply
 
     @property
     def alive(self) -> bool:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.lora.request import LoRARequest
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -77,7 +78,8 @@ class InputProcessor:
                              f"(size {vocab}).")
 
     def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         self.check_token_ids(params)
         eos = self.info.eos_token_ids
         return Request(
@@ -85,4 +87,5 @@ class InputProcessor:
             sampling_params=self.with_extra_eos(params),
             max_tokens=self.resolve_max_tokens(len(prompt.token_ids), params),
             eos_token_id=eos[0] if eos else None, cache_salt=prompt.cache_salt,
+            lora_request=lora_request,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time)

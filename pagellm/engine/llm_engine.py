@@ -12,6 +12,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.platform import default_device
 from pagellm.request import RequestStatus, child_request_id
@@ -30,7 +31,7 @@ class LLMEngine:
         self.args = args
         self.core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                                resolve_device(args.device), args.grammar_config(),
-                               args.speculative(), args.parallel_config())
+                               args.speculative(), args.parallel_config(), args.lora_config())
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = load_chat_template(args.chat_template) or loaded.chat_template
@@ -50,13 +51,23 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
                     params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        if lora_request is not None:  # a bad adapter fails here, in the caller
+            self.core.add_lora(lora_request)
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process_prompt(prompt)
-        request = self.input_processor.make_request(request_id, prompt, params, arrival_time)
+        request = self.input_processor.make_request(request_id, prompt, params, arrival_time,
+                                                    lora_request)
         self.output_processor.add_request(request_id, prompt.text, prompt.token_ids,
                                           request.sampling_params, kind, request.arrival_time)
         self.core.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests (and their n siblings); returns their final outputs."""

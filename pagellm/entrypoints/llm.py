@@ -11,6 +11,7 @@ from tqdm import tqdm
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -32,38 +33,42 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = self._per_prompt(SamplingParams() if sampling_params is None else sampling_params,
+                                  len(prompts), "sampling params")
+        loras = self._per_prompt(lora_request, len(prompts), "LoRA requests")
         request_ids = []
-        for prompt, prompt_params in zip(prompts, params):
+        for prompt, prompt_params, lora in zip(prompts, params, loras):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, prompt_params)
+            self.engine.add_request(request_id, prompt, prompt_params, lora_request=lora)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
             conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt)}
             for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     @staticmethod
-    def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                           count: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * count
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        if len(sampling_params) != count:
-            raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts.")
-        return list(sampling_params)
+    def _per_prompt(value: Any, count: int, what: str) -> list[Any]:
+        if value is None or not isinstance(value, Sequence):
+            return [value] * count
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {what} for {count} prompts.")
+        return list(value)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from pagellm.core.sched_output import KVTransferStats, OffloadStats, SchedulerStats
 from pagellm.logger import init_logger
+from pagellm.lora.metrics import LoRAMetrics
 from pagellm.metrics.stats import IterationStats
 from pagellm.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
@@ -202,6 +203,7 @@ class PrometheusStatLogger:
         self.request_generation = histogram("vllm:request_generation_tokens",
                                             "Number of generation tokens processed.", _TOKEN_BUCKETS)
         self._previous: SchedulerStats | None = None
+        self._lora: LoRAMetrics | None = None
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler is not None:
@@ -237,6 +239,10 @@ class PrometheusStatLogger:
                 self._spec_decoding = SpecDecodingProm(self._make.registry, self.model_name,
                                                        stats.spec_decoding.num_spec_tokens)
             self._spec_decoding.record(stats.spec_decoding)
+        if stats.lora is not None:
+            if self._lora is None:
+                self._lora = LoRAMetrics(self._make.registry, self.model_name)
+            self._lora.record(stats.lora)
         self._previous = stats
 
     def log(self) -> None:
@@ -247,5 +253,5 @@ def _unregister_vllm_metrics(registry: CollectorRegistry) -> None:
     """A new engine in the same process replaces the previous one's metrics."""
     for collector in list(registry._collector_to_names):
         names = registry._collector_to_names.get(collector, ())
-        if any(name.startswith("vllm:") for name in names):
+        if any(name.startswith(("vllm:", "pagellm:")) for name in names):
             registry.unregister(collector)

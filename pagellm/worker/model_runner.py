@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
+
+if TYPE_CHECKING:
+    from pagellm.lora.manager import LoRAModelManager
 
 logger = init_logger(__name__)
 
@@ -82,6 +86,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.offload_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.lora: LoRAModelManager | None = None  # set by the engine core with --enable-lora
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         if device.type == "cpu":  # build (or load) the kernels now, not at the first decode
@@ -243,12 +248,20 @@ class ModelRunner:
                          torch.tensor(sample_rows, dtype=torch.long, device=device)))
 
     @torch.inference_mode()
-    def compute(self, chunks: list[StepChunk]) -> torch.Tensor | None:
+    def compute(self, chunks: list[StepChunk],
+                lora_slots: np.ndarray | None = None) -> torch.Tensor | None:
         """The logits of the step's sampling rows (a row per sample), None if none samples
-        (or, under parallelism, on a rank that does not sample)."""
+        (or, under parallelism, on a rank that does not sample). `lora_slots`: each token's
+        adapter slot, with --enable-lora."""
         inputs = self.prepare_inputs(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
-                            inputs.output_rows)
+        if lora_slots is not None:
+            self.lora.set_step(lora_slots, inputs.output_rows)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.metadata, inputs.output_rows)
+        finally:
+            if lora_slots is not None:
+                self.lora.end_step()
         if inputs.output_rows.numel() == 0:
             return None
         logits = self.model.compute_logits(hidden)
@@ -261,7 +274,11 @@ class ModelRunner:
         output = ModelRunnerOutput(transfers=self._transfer(step))
         if step.is_empty:
             return output
-        logits = self.compute(step_chunks(step))
+        lora_slots = None
+        if self.lora is not None:  # each item's adapter slot, then each token's
+            slots = self.lora.activate([s.request.lora for s in step.scheduled])
+            lora_slots = np.repeat(slots, [s.num_tokens for s in step.scheduled])
+        logits = self.compute(step_chunks(step), lora_slots)
         if logits is None:
             return output
         rows, owners = self._sampling_rows(step)

@@ -40,6 +40,7 @@ from pagellm.entrypoints.openai.responses.serving import DeletedResponse, OpenAI
 from pagellm.entrypoints.openai.responses.store import ResponseStore
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_lora import LoRAAdapters, add_lora_routes
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.logger import init_logger
 
@@ -63,6 +64,7 @@ class AppState:
     tokenization: OpenAIServingTokenization
     admission: Admission
     drain: Drain
+    lora: LoRAAdapters | None = None  # with --enable-lora
 
 
 def _state(raw_request: Request) -> AppState:
@@ -143,12 +145,13 @@ async def kv_cache(raw_request: Request) -> JSONResponse:
 
 
 async def list_models(raw_request: Request) -> ModelList:
-    """The served model names, with their context length."""
+    """The served model names, with their context length, then the LoRA adapters."""
     state = _state(raw_request)
     root = state.settings.engine_args.model or state.settings.model_names[0]
-    return ModelList(data=[ModelCard(id=name, root=root,
-                                     max_model_len=state.engine.info.max_model_len)
-                           for name in state.settings.model_names])
+    max_model_len = state.engine.info.max_model_len
+    adapters = state.lora.model_cards(max_model_len) if state.lora is not None else []
+    return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len)
+                           for name in state.settings.model_names] + adapters)
 
 
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -208,6 +211,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.pagellm = AppState(engine, settings, OpenAIServingCompletion(*serving_args), chat,
                                  responses, OpenAIServingTokenization(*serving_args), admission,
                                  Drain(admission, settings.limits.shutdown_timeout))
+    if settings.engine_args.enable_lora:
+        lora = app.state.pagellm.lora = LoRAAdapters(engine, settings.lora,
+                                                     settings.model_names)
+        if settings.lora.runtime_updating:
+            add_lora_routes(app, lora)
     for method, path, endpoint in ROUTES:
         app.add_api_route(path, _guarded(endpoint), methods=[method],
                           responses=documented_errors(method, path))
@@ -283,6 +291,8 @@ async def serve(settings: ServerSettings, sock: socket.socket) -> int:
     engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats)
     try:
         app = build_app(engine, settings)
+        if app.state.pagellm.lora is not None:
+            await app.state.pagellm.lora.load_modules()
         log_routes(app, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level,

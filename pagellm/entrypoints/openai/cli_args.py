@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pagellm.distributed.config import add_parallel_cli_args
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.openai.lora_args import LoRAServerSettings, add_lora_args
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV_VARS = ("PAGELLM_API_KEY", "VLLM_API_KEY")
@@ -113,6 +114,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="a Python file that registers a tool-call parser")
     parser.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
                         help="split the model's thinking into message.reasoning")
+    add_lora_args(parser)
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
     add_parallel_cli_args(parser)
 
@@ -160,6 +162,7 @@ class ServerSettings:
     ssl_certfile: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     tools: ToolSettings = field(default_factory=ToolSettings)
+    lora: LoRAServerSettings = field(default_factory=LoRAServerSettings)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -195,7 +198,8 @@ class ServerSettings:
                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                    limits=ServerLimits(args.max_concurrent_requests,
                                        args.max_request_body_bytes, args.shutdown_timeout,
-                                       args.responses_store_size))
+                                       args.responses_store_size),
+                   lora=LoRAServerSettings.from_args(args))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -23,6 +23,7 @@ from pagellm.entrypoints.openai.errors import OpenAIError, stream_error_event
 from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.structured import resolve_constraint
 from pagellm.logger import init_logger
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs.backend import backend_class
@@ -41,6 +42,7 @@ class Job:
     request_id: str
     prompt: ProcessedPrompt
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter `model` names
 
 
 @dataclass
@@ -139,8 +141,9 @@ class OpenAIServing:
         return self.engine.info.max_model_len
 
     def check_model(self, model: str | None) -> str:
-        """The served name the response carries; 404 for a model this server does not serve."""
-        if model is None or model in self.model_names:
+        """The served name (or LoRA adapter) the response carries; 404 for a model this
+        server does not serve."""
+        if model is None or model in self.model_names or model in self.engine.lora_adapters:
             return model or self.model_names[0]
         raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
 
@@ -208,11 +211,11 @@ class OpenAIServing:
         if self.log_requests:
             logger.info("Received request %s: params: %s, prompt_token_ids: %s", request_id,
                         params, prompt.token_ids)
-        return Job(request_id, prompt, params)
+        return Job(request_id, prompt, params, self.engine.lora_adapters.get(request.model or ""))
 
     def generate_jobs(self, jobs: list[Job]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        return merge_streams([self.engine.generate(job.prompt, job.params, job.request_id)
-                              for job in jobs])
+        return merge_streams([self.engine.generate(job.prompt, job.params, job.request_id,
+                                                   job.lora_request) for job in jobs])
 
     async def collect(self, jobs: list[Job]) -> list[list[SequenceResult]]:
         """Run the jobs to the end; results[job][sequence index]."""
