@@ -61,6 +61,12 @@ _HELP = {
                                  "disable_additional_properties (guidance), and pagellm's "
                                  "max_whitespace (longest run of whitespace a JSON grammar "
                                  "allows, default 4) and compile_timeout_s (default 10)",
+    "runner": "auto, generate or pooling: generate text, or embed (auto: pooling for an "
+              "encoder-only model such as BertModel, generate otherwise)",
+    "convert": "auto, none or embed: embed turns a decoder into an embedding model (last-token "
+               "pooling unless --pooler-config says otherwise)",
+    "pooler_config": "JSON overriding the pooling read from the model (sentence-transformers' "
+                     "modules.json): pooling_type MEAN, CLS or LAST, normalize true/false",
 }
 
 
@@ -90,6 +96,9 @@ class EngineArgs:
     gguf_int8_activations: bool = True
     batch_invariant: bool = True
     structured_outputs_config: str | None = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -143,6 +152,13 @@ class EngineArgs:
         if size <= 0:
             raise ValueError(f"the KV offloading size must be positive, got {size} bytes.")
         return size
+
+    def runner_kind(self) -> str:
+        """`generate` or `pooling`: which engine serves this model (pagellm.pooling.config)."""
+        from pagellm.model.loader import resolve_model_path
+        from pagellm.pooling.config import resolve_runner
+
+        return resolve_runner(resolve_model_path(self.model), self.runner, self.convert)
 
     def grammar_config(self) -> StructuredOutputsConfig:
         """The parsed --structured-outputs-config."""
