@@ -81,6 +81,7 @@ class _HTMLSections(HTMLParser):
         self.heading: tuple[int, list[str]] | None = None
         self.skipping = 0
         self.in_title = False
+        self.seen_h1 = False
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
         if tag in _HTML_SKIPPED:
@@ -102,8 +103,8 @@ class _HTMLSections(HTMLParser):
             level, words = self.heading
             text = " ".join("".join(words).split())
             self.heading = None
-            if level == 1 and not self.path and self.title is None:
-                self.title = text
+            if level == 1 and not self.seen_h1:  # the page's own title beats <title>
+                self.title, self.seen_h1 = text, True
             elif text:
                 self.path = [*self.path[:max(level - 2, 0)], text]
 

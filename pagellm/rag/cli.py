@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 _API_KEY_ENV = "QDRANT_API_KEY"
 
@@ -81,10 +80,13 @@ def open_parts(args: argparse.Namespace):
 
 
 def _store_errors(run):
-    """A StoreError becomes the CLI's one-line error (exit 1)."""
+    """Logs on stderr; a StoreError becomes the CLI's one-line error (exit 1)."""
 
     def wrapped(args: argparse.Namespace) -> None:
+        from pagellm.logger import log_to_stderr
         from pagellm.rag.store import StoreError
+
+        log_to_stderr()  # stdout is the command's product
 
         try:
             run(args)
@@ -101,7 +103,7 @@ def run_ingest(args: argparse.Namespace) -> None:
     store, embedder = open_parts(args)
     try:
         report = ingest(args.docs, args.collection, store, embedder,
-                        breadcrumbs=not args.no_breadcrumbs, progress=sys.stderr.isatty())
+                        breadcrumbs=not args.no_breadcrumbs, progress=True)
     finally:
         store.close()
     print(f"Ingested {report.files - report.skipped} file(s) into {args.collection!r} "
