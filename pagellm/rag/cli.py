@@ -27,6 +27,9 @@ def _add_store_args(parser: argparse.ArgumentParser) -> None:
                              "serve` of the embedding model) instead of in this process")
     parser.add_argument("--embeddings-api-key", default=None,
                         help="API key of the embeddings server")
+    parser.add_argument("--embeddings-model-name", default=None, metavar="NAME",
+                        help="the model name to ask the embeddings server for (default: the "
+                             "first of its /v1/models; set it behind a router)")
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +79,7 @@ def open_parts(args: argparse.Namespace):
                              args.qdrant_api_key or os.environ.get(_API_KEY_ENV))
     store = VectorStore(settings)
     return store, make_embedder(args.embeddings_url, args.embedding_model,
-                                args.embeddings_api_key)
+                                args.embeddings_api_key, args.embeddings_model_name)
 
 
 def _store_errors(run):

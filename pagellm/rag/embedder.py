@@ -68,8 +68,8 @@ class RemoteEmbedder(Embedder):
         self.tokenizer = load_tokenizer(path)
         self.url = url.rstrip("/").removesuffix("/v1")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        info = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30).json()
-        card = info["data"][0]
+        cards = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30).json()
+        card = next((c for c in cards["data"] if c["id"] == served_name), cards["data"][0])
         self.served_name = served_name or card["id"]
         pooler = read_pooler_config(path, is_encoder_model(path), None)
         self.max_tokens = min(card.get("max_model_len") or 1 << 30,
@@ -102,5 +102,6 @@ def _vectors(answer: httpx.Response) -> list[list[float]]:
                                                  key=lambda item: item["index"])]
 
 
-def make_embedder(url: str | None, model: str | None, api_key: str | None = None) -> Embedder:
-    return RemoteEmbedder(url, model, api_key) if url else Embedder(model)
+def make_embedder(url: str | None, model: str | None, api_key: str | None = None,
+                  served_name: str | None = None) -> Embedder:
+    return RemoteEmbedder(url, model, api_key, served_name) if url else Embedder(model)

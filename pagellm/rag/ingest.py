@@ -48,8 +48,9 @@ def find_files(paths: Iterable[str]) -> list[Path]:
 
 def source_name(path: Path) -> str:
     """The path relative to the working folder when it is under it, else absolute."""
-    relative = os.path.relpath(path.resolve())
-    return Path(relative).as_posix() if not relative.startswith("..") else str(path.resolve())
+    absolute = os.path.abspath(path)  # symlinks kept: a linked folder names its files
+    relative = os.path.relpath(absolute)
+    return Path(relative).as_posix() if not relative.startswith("..") else absolute
 
 
 def point_id(source: str, index: int) -> str:
