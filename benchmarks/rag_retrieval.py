@@ -3,7 +3,7 @@
     python benchmarks/rag_retrieval.py                  # everything (a few minutes on 2 cores)
     python benchmarks/rag_retrieval.py --e2e 0 --throughput-texts 0   # retrieval only
 
-The corpus is docs/ (without the generated reference pages); the questions, each
+The corpus is docs/ (without the generated reference pages and rag.md); the questions, each
 labelled with the section that answers it and a fact the answer must contain, are in
 benchmarks/data/rag_questions.json. A chunk is relevant when it comes from that
 section (same file, same last heading). It prints:
@@ -64,7 +64,10 @@ def is_relevant(question: Question, source: str, breadcrumb: str) -> bool:
 
 
 def corpus_files(docs: Path) -> list[Path]:
-    return [p for p in find_files([str(docs)]) if "reference" not in p.relative_to(docs).parts]
+    """docs/ without the generated reference pages, and without rag.md, whose examples
+    quote questions of the benchmark."""
+    return [p for p in find_files([str(docs)])
+            if "reference" not in p.relative_to(docs).parts and p.name != "rag.md"]
 
 
 def build_variant(name: str, files: list[Path], embedder: Embedder,
