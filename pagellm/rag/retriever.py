@@ -20,17 +20,20 @@ CONTEXT_INSTRUCTIONS = ("Answer the question using the context below when it is 
 
 @dataclass
 class Retriever:
+    """A question longer than the embedding model's limit is cut there for retrieval (the
+    LLM still gets all of it)."""
+
     store: VectorStore
     embedder: Embedder
     collection: str
     top_k: int = 4
 
     def retrieve(self, query: str, top_k: int | None = None) -> list[Hit]:
-        vector = self.embedder.embed([query])[0]
+        vector = self.embedder.embed([query], truncate=True)[0]
         return self.store.query(self.collection, vector, top_k or self.top_k)
 
     async def aretrieve(self, query: str, top_k: int | None = None) -> list[Hit]:
-        vector = (await self.embedder.aembed([query]))[0]
+        vector = (await self.embedder.aembed([query], truncate=True))[0]
         return self.store.query(self.collection, vector, top_k or self.top_k)
 
 

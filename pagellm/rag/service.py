@@ -29,13 +29,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.entrypoints.openai.errors import error_response
 from pagellm.logger import init_logger
-from pagellm.rag.embedder import Embedder
+from pagellm.rag.embedder import Embedder, EmbeddingError
 from pagellm.rag.retriever import Retriever, question_of, sources_of, with_context
 from pagellm.rag.store import Hit, StoreError, VectorStore
 
 logger = init_logger(__name__)
 CONTEXT_HEADER, SOURCES_HEADER = "x-rag-context", "x-rag-sources"
-_RETRIEVAL_ERRORS = (StoreError, httpx.HTTPError, ValueError)
+_RETRIEVAL_ERRORS = (StoreError, httpx.HTTPError, EmbeddingError)
 
 
 @dataclass
@@ -102,7 +102,7 @@ async def wrapper_embeddings(request: Request) -> JSONResponse:
     """`{"input": text}` or a chat body -> the query's embedding, the query echoed."""
     body = await _json(request)
     query = body["input"] if isinstance(body.get("input"), str) else question_of(body)
-    vector = (await _state(request).retriever.embedder.aembed([query]))[0]
+    vector = (await _state(request).retriever.embedder.aembed([query], truncate=True))[0]
     return JSONResponse({"object": "list", "query": query, "top_k": _top_k(body),
                          "data": [{"index": 0, "object": "embedding", "embedding": vector}]})
 
