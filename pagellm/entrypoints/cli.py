@@ -10,6 +10,7 @@ from pagellm.benchmarks import fidelity, throughput
 from pagellm.benchmarks import serve as serve_benchmark
 from pagellm.entrypoints import chat_cli
 from pagellm.entrypoints.openai.cli_args import add_serve_args
+from pagellm.rag import cli as rag_cli
 from pagellm.router import cli as router_cli
 from pagellm.model.errors import ModelLoadError
 
@@ -48,7 +49,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagellm", description="Serve and benchmark LLMs with a paged KV cache.")
-    verbs = parser.add_subparsers(dest="verb", metavar="{serve,router,chat,bench}", parser_class=_Parser)
+    verbs = parser.add_subparsers(dest="verb", metavar="{serve,router,chat,bench,rag}", parser_class=_Parser)
     serve = verbs.add_parser("serve", help="start the OpenAI-compatible API server",
                              description="Start the OpenAI-compatible API server.")
     add_serve_args(serve)
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fidelity", help="greedy answers of engine choices against the exact model")
     fidelity.add_cli_args(bench_fidelity)
     bench_fidelity.set_defaults(handler=fidelity.run)
+    rag = verbs.add_parser("rag", help="retrieval-augmented generation over your documents",
+                           description="Ingest documents into Qdrant, query them, serve "
+                                       "retrieval for an LLM.")
+    rag_cli.add_rag_args(rag, _Parser)
     return parser
 
 
