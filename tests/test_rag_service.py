@@ -37,13 +37,18 @@ def llm(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
 
 
 @pytest.fixture(scope="module")
-def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def embedder() -> Embedder:
+    return Embedder(str(minilm_path()))
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory, embedder: Embedder) -> Path:
     docs = tmp_path_factory.mktemp("docs")
     (docs / "ops.md").write_text("# Ops\n\n## Backups\n\nBackups run nightly to S3.\n\n"
                                  "## Upgrades\n\nUpgrade on Tuesdays.\n")
     path = tmp_path_factory.mktemp("store") / "qdrant"
     store = VectorStore(StoreSettings(path=str(path)))
-    ingest([str(docs)], "ops", store, Embedder(str(minilm_path())), progress=False)
+    ingest([str(docs)], "ops", store, embedder, progress=False)
     store.close()
     return path
 
@@ -114,8 +119,7 @@ def test_one_call_rag_chat_through_the_sdk(service: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_qdrant_down(mode: str, llm: RemoteServer) -> None:
-    embedder = Embedder(str(minilm_path()))
+def test_qdrant_down(mode: str, llm: RemoteServer, embedder: Embedder) -> None:
     dead = VectorStore(StoreSettings(url=f"http://127.0.0.1:{free_port()}"))
     service = RagService(Retriever(dead, embedder, "ops"),
                          ServiceSettings(llm.url, None, 2, mode))

@@ -19,7 +19,7 @@ def test_help_lists_verbs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
     assert exited.value.code == 0
-    assert "{serve,router,chat,bench}" in capsys.readouterr().out
+    assert "{serve,router,chat,bench,rag}" in capsys.readouterr().out
 
 
 def test_parsing_flags_loads_neither_torch_nor_the_engine() -> None:

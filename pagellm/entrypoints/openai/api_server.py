@@ -309,13 +309,13 @@ async def serve(settings: ServerSettings, sock: socket.socket) -> int:
 
 def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
-    serving = serve
-    if settings.engine_args.runner_kind() == "pooling":  # an embedding model
-        from pagellm.entrypoints.openai.pooling_server import serve_pooling
-
-        serving = serve_pooling
     sock = bind_socket(settings.host, settings.port)
     try:
+        serving = serve
+        if settings.engine_args.runner_kind() == "pooling":  # an embedding model
+            from pagellm.entrypoints.openai.pooling_server import serve_pooling
+
+            serving = serve_pooling
         exit_code = asyncio.run(serving(settings, sock))
     finally:
         sock.close()
