@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,3 +93,24 @@ def test_gelu_tanh_kernel_matches_torch(dtype: torch.dtype) -> None:
     tolerance = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2,
                                                                              "rtol": 1e-2}
     torch.testing.assert_close(gelu_tanh_and_mul(gate_up), expected, **tolerance)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
+def test_quantized_gguf_from_prepared_weights_is_the_same_model(tiny_gemma3_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """The engine's GGUF load (codes kept, batch-invariant) of a Q8_0 Gemma 3: the dequantized
+    model's logits, then bit-identical ones from the prepared weights it cached (whose norms
+    must not gain a second `+ 1`)."""
+    path = str(write_tiny_gguf(tiny_gemma3_dir, tmp_path / "tiny-gemma3-q8.gguf",
+                               gguf.GGMLQuantizationType.Q8_0))
+    dense = load_model(path, torch.float32, CPU, tokenizer=str(tiny_gemma3_dir))
+    prompts = [list(range(3, 40)), list(range(50, 58))]
+    expected = PagedCache(dense.arch).step(dense.model, list(enumerate(prompts)))
+    results = []
+    for _ in range(2):  # prepared from the file, then read from the cache
+        stored = load_model(path, torch.float32, CPU, tokenizer=str(tiny_gemma3_dir),
+                            gguf_quantized_max_tokens=None, batch_invariant=True)
+        assert stored.model.model.layers[0].self_attn.qkv_proj.quantized is not None
+        results.append(PagedCache(stored.arch).step(stored.model, list(enumerate(prompts))))
+    torch.testing.assert_close(results[0], expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(results[1], results[0])
