@@ -34,7 +34,7 @@ from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.worker.model_runner import ModelRunner, StepChunk
+from pagellm.worker.model_runner import ModelRunner, StepChunk, StepInputs
 
 logger = init_logger(__name__)
 WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socket
@@ -245,6 +245,6 @@ class DriverRunner(ModelRunner):
         self.executor.allocate_kv_cache(num_blocks)
         super().allocate_kv_cache(num_blocks)
 
-    def prepare_inputs(self, chunks: list[StepChunk]):
+    def prepare_inputs(self, chunks: list[StepChunk]) -> StepInputs:
         self.executor.send_step(chunks)
         return super().prepare_inputs(chunks)
