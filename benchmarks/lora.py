@@ -52,7 +52,8 @@ def write_adapter(folder: Path, rank: int, seed: int) -> Path:
             inputs, outputs = sizes[source], sizes[target]
             tensors[f"{prefix}.lora_A.weight"] = (
                 torch.randn(rank, inputs, generator=generator) / math.sqrt(inputs))
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = 0.01 * torch.randn(outputs, rank,
+                                                                    generator=generator)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",

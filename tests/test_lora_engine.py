@@ -141,3 +141,13 @@ def test_prefix_hashes_follow_the_adapter_content(llm: LLM, adapters: dict[str, 
     fresh = make_llm(tiny_llama_dir, max_loras=1)
     expected = tokens(fresh.generate([prompt], GREEDY, use_tqdm=False, lora_request=request))
     assert reloaded == expected != first
+
+
+def test_siblings_of_n_keep_the_adapter(llm: LLM, adapters: dict[str, Path]) -> None:
+    request = LoRARequest("every", 1, str(adapters["every-projection"]))
+    prompt = prompts(1, seed=9)[0]
+    single = tokens(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=request))[0]
+    base = tokens(llm.generate([prompt], GREEDY, use_tqdm=False))[0]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    forked = llm.generate([prompt], params, use_tqdm=False, lora_request=request)[0]
+    assert [c.token_ids for c in forked.outputs] == [single, single] != [base, base]

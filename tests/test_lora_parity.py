@@ -46,8 +46,8 @@ def test_adapters_and_base_in_one_batch_match_peft(tiny_model_dir: Path,
     for name in names:
         indices = [i for i, c in enumerate(chosen) if c == name]
         generated = [outputs[i].outputs[0] for i in indices]
-        reference = reference_logprobs(tiny_model_dir, adapters.get(name),
-                                       [(batch[i], c.token_ids) for i, c in zip(indices, generated)])
+        sequences = [(batch[i], c.token_ids) for i, c in zip(indices, generated)]
+        reference = reference_logprobs(tiny_model_dir, adapters.get(name), sequences)
         for index, completion, logprobs in zip(indices, generated, reference):
             assert completion.token_ids == logprobs.argmax(-1).tolist(), (name, index)
             for step, entries in enumerate(completion.logprobs):

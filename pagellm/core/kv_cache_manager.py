@@ -3,9 +3,9 @@
 With prefix caching, each full block of a request is named by a hash chained
 from its parent block's hash, its token ids and extra keys (the request's
 `cache_salt`, and the content hash of its LoRA adapter, so that an adapter reloaded under
-the same name never reuses KV computed with its old weights). A new request starts from the longest run of cached blocks
-matching its tokens, but always computes at least its last token, whose
-logits it needs.
+the same name never reuses KV computed with its old weights). A new request starts
+from the longest run of cached blocks matching its tokens, but always computes at
+least its last token, whose logits it needs.
 
 With a second tier (`OffloadPool`), a cached block evicted from the first
 tier is stored there first, a prefix that left the first tier is loaded back

@@ -22,7 +22,8 @@ from pagellm.logger import init_logger
 from pagellm.lora.config import LoRAConfig
 from pagellm.lora.layers import LoRALinear, RowGroups, StepMapping, StepState
 from pagellm.lora.metrics import LoRAStats
-from pagellm.lora.peft import LoRAAdapterError, LoRAWeights, ModelLayout, ProjectionShape, load_adapter
+from pagellm.lora.peft import (LoRAAdapterError, LoRAWeights, ModelLayout, ProjectionShape,
+                               load_adapter)
 from pagellm.lora.request import LoRARequest
 from pagellm.model.llama import _FUSED_SHARDS, LlamaForCausalLM
 from pagellm.model.quantized import Linear
