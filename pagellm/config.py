@@ -74,16 +74,22 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
 
 
+def parse_json_object(text: str, name: str) -> dict:
+    """A flag's JSON object, or a ValueError naming the flag."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not valid JSON: {error}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object.")
+    return value
+
+
 def parse_kv_transfer_config(text: str, block_size: int) -> int:
     """The second-tier bytes of vLLM's `--kv-transfer-config` JSON; only the OffloadingConnector
     (KV offloading to CPU memory) exists here. Its `block_size` must be a multiple of the
     engine's; see `pagellm.core.offload` for how it is honoured."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"kv_transfer_config is not valid JSON: {error}.") from None
-    if not isinstance(config, dict):
-        raise ValueError("kv_transfer_config must be a JSON object.")
+    config = parse_json_object(text, "kv_transfer_config")
     connector = config.get("kv_connector")
     if connector != "OffloadingConnector":
         raise ValueError(f"kv_connector {connector!r} is not supported; pagellm has only "

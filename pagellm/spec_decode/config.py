@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pagellm.config import parse_json_object
 
 METHODS = ("ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -100,10 +101,7 @@ def parse_speculative_config(config: str | dict[str, Any] | None, model: str | N
             old["method"] = "ngram"
         return SpeculativeConfig.from_dict(old)
     if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"speculative_config is not valid JSON: {error}.") from None
+        config = parse_json_object(config, "speculative_config")
     if not isinstance(config, dict):
         raise ValueError("speculative_config must be a JSON object.")
     return SpeculativeConfig.from_dict(config)
