@@ -79,7 +79,7 @@ def build_pooling_app(engine: AsyncPoolingEngine, settings: ServerSettings) -> F
             paths.append(api_server.KSERVE_OPENAI_PREFIX + path)
         for route in paths:
             app.add_api_route(route, api_server._guarded(endpoint), methods=[method],
-                              responses=documented_errors(method))
+                              responses=documented_errors(method, path))
     install_error_handlers(app)
     api_server.add_middleware(app, settings, admission)
     return app

@@ -111,4 +111,5 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters) -> None:
 
     for path, endpoint in (("/v1/load_lora_adapter", load_lora_adapter),
                            ("/v1/unload_lora_adapter", unload_lora_adapter)):
-        app.add_api_route(path, endpoint, methods=["POST"], responses=documented_errors("POST"))
+        app.add_api_route(path, endpoint, methods=["POST"],
+                          responses=documented_errors("POST", path))
