@@ -9,8 +9,6 @@ instruction, a history turn in the wrong place) changes the tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -27,8 +25,8 @@ from pagellm.entrypoints.openai.responses.objects import (InputTokensDetails,
                                                           OutputTokensDetails, ResponseObject,
                                                           ResponseUsage)
 from pagellm.entrypoints.openai.responses.store import ResponseStore, StoredResponse
-from server_utils import RemoteServer, assert_clean_shutdown
-from test_server_agents import TEMPLATE, WEATHER
+from server_utils import RemoteServer
+from test_server_agents import WEATHER, client, server  # noqa: F401 (fixtures: one tiny Hermes server)
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast",
           "parameters": WEATHER}]
@@ -39,20 +37,6 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 class Answer(BaseModel):
     city: Literal["Paris", "Oslo"]
     sunny: bool
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
-    remote = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                          "--chat-template", str(TEMPLATE))
-    yield remote
-    assert_clean_shutdown(remote.stop())
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return server.client()
 
 
 def chat_text(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, int]:
