@@ -71,7 +71,8 @@ async def rate(url: str, model: str, prompts: list[str], clients: int, max_token
     async def worker() -> None:
         nonlocal total
         while queue:
-            total += await one(client, model, queue.pop(), max_tokens)
+            tokens = await one(client, model, queue.pop(), max_tokens)
+            total += tokens  # after the await: `total += await ...` would read total before it
 
     await one(client, model, prompts[0], 4)  # warm-up
     start = time.perf_counter()

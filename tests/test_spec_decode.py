@@ -14,7 +14,8 @@ from scipy.stats import chisquare, chi2_contingency
 
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode.config import parse_speculative_config
-from pagellm.spec_decode.controller import PROBE_INTERVAL, SpeculationController
+from pagellm.spec_decode.controller import (MAX_PROBE_INTERVAL, PROBE_INTERVAL,
+                                            SpeculationController)
 from pagellm.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm, SpecDecodingStats
 from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.rejection_sampler import accept_matching, rejection_sample
@@ -112,9 +113,35 @@ def test_the_controller_drafts_for_a_lone_stream_and_not_for_a_big_batch() -> No
     assert controller.num_tokens("bad", batch_size=1) == 0
     assert controller.num_tokens("half", batch_size=256) == 0
     assert controller.num_tokens("good", batch_size=256) == 5
-    probes = [controller.num_tokens("bad", batch_size=1) for _ in range(PROBE_INTERVAL)]
-    assert probes.count(1) == 1 and probes.count(0) == PROBE_INTERVAL - 1
     assert SpeculationController(3, adaptive=False).num_tokens("any", 512) == 3
+
+
+def probe_gaps(controller: SpeculationController, request_id: str, probes: int,
+               accepted: int) -> list[int]:
+    """Steps between the probes of a request drafting nothing, each probe verified with
+    `accepted` tokens accepted."""
+    gaps, steps = [], 0
+    while len(gaps) < probes:
+        steps += 1
+        if controller.num_tokens(request_id, batch_size=1):
+            controller.observe_draft(request_id, 1, accepted)
+            gaps.append(steps)
+            steps = 0
+    return gaps
+
+
+def test_probes_back_off_while_rejected_and_recover_once_accepted() -> None:
+    controller = SpeculationController(max_tokens=4)
+    for tokens, seconds in ((1, 0.010), (64, 0.020)) * 10:
+        controller.observe_step(tokens, seconds)
+    controller.observe_proposal(4, 0.04)  # a draft token costs a whole step: never pays
+    controller.observe_draft("r", 4, 0)
+    gaps = probe_gaps(controller, "r", 7, accepted=0)
+    assert gaps == [PROBE_INTERVAL * 2, PROBE_INTERVAL * 4, PROBE_INTERVAL * 8,
+                    MAX_PROBE_INTERVAL, MAX_PROBE_INTERVAL, MAX_PROBE_INTERVAL,
+                    MAX_PROBE_INTERVAL]
+    assert probe_gaps(controller, "r", 1, accepted=1) == [MAX_PROBE_INTERVAL]
+    assert probe_gaps(controller, "r", 1, accepted=0) == [PROBE_INTERVAL]
 
 
 class _Lines(logging.Handler):

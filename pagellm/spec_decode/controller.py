@@ -13,8 +13,11 @@ With B requests decoding, a token without speculation costs (c0 + c1 B) / B of s
 The i-th draft token of a request costs c1 + draft_seconds more and yields a^i tokens in
 expectation, so it is drafted when a^i (c0 + c1 B) / B > c1 + draft_seconds. A lone stream
 (c0 dominant) drafts eagerly; a big batch, whose steps grow with every token, drafts only
-what is almost always accepted. A request drafting nothing probes with one token every
-`PROBE_INTERVAL` of its steps, so its estimate recovers when its text turns repetitive.
+what is almost always accepted. A request drafting nothing probes with one token after
+`PROBE_INTERVAL` of its steps, so its estimate recovers when its text turns repetitive; each
+probe rejected in a row doubles the wait (up to `MAX_PROBE_INTERVAL`), so a draft that is
+never right (a poor draft model, text that never repeats) costs a vanishing share of steps
+instead of a fixed one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
 _FORGET = 0.98  # weight of the past per step in the step-time fit
 _DECAY = 0.9  # weight of the past per verified draft in a request's acceptance
 _PRIOR_TOKENS = 64  # prior: a step of 64 tokens costs twice one of a single token
@@ -33,10 +37,15 @@ class _Acceptance:
     accepted: float
     rejected: float
     steps_without: int = 0
+    failed_in_a_row: int = 0  # verified drafts with nothing accepted, since the last success
 
     @property
     def rate(self) -> float:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
+
+    @property
+    def probe_interval(self) -> int:
+        return min(PROBE_INTERVAL << min(self.failed_in_a_row, 8), MAX_PROBE_INTERVAL)
 
     def add(self, accepted: int, rejected: int, decay: float) -> None:
         self.accepted = self.accepted * decay + accepted
@@ -84,7 +93,7 @@ class SpeculationController:
             state.steps_without = 0
             return count
         state.steps_without += 1
-        if state.steps_without >= PROBE_INTERVAL:
+        if state.steps_without >= state.probe_interval:
             state.steps_without = 0
             return 1
         return 0
@@ -113,7 +122,9 @@ class SpeculationController:
 
     def observe_draft(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         rejected = int(num_accepted < num_draft_tokens)
-        self._state(request_id).add(num_accepted, rejected, _DECAY)
+        state = self._state(request_id)
+        state.add(num_accepted, rejected, _DECAY)
+        state.failed_in_a_row = state.failed_in_a_row + 1 if num_accepted == 0 else 0
         self._engine.add(num_accepted, rejected, 0.999)
 
     def forget(self, live_request_ids: set[str]) -> None:
