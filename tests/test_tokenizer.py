@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagellm import tokenizer as tokenizer_module
+from pagellm.engine.tokenizer_pool import INLINE_LIMIT, WORKER_NICENESS, TokenizerPool
 from pagellm.tokenizer import (apply_chat_template, gguf_tokenizer_key, load_tokenizer,
                                pagellm_cache_dir)
 
@@ -101,3 +103,18 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path) -> None:
     tokenizer_module._save_tokenizer(_FolderWriter(), fresh)
     assert (fresh / "tokenizer_config.json").read_text() == '{"mine": true}'
     assert [p.name for p in fresh.parent.iterdir()] == ["key"]
+
+
+def test_large_inputs_are_encoded_in_a_lower_priority_worker(smollm2_gguf: Path) -> None:
+    """The worker gives the engine the CPU first, and encodes exactly as the tokenizer does."""
+    tokenizer = load_tokenizer(smollm2_gguf)
+    pool = TokenizerPool(tokenizer)
+    text = "émigré naïve 日本語 " * (INLINE_LIMIT // 8)
+    try:
+        assert asyncio.run(pool.encode(text)) == tokenizer.encode(text)
+        workers = list(pool._start()._processes)  # noqa: SLF001 (no public list of workers)
+        assert len(workers) == 1
+        assert (os.getpriority(os.PRIO_PROCESS, workers[0])
+                == os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+    finally:
+        pool.shutdown()

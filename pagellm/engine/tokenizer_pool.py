@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import pickle
 import signal
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +27,7 @@ logger = init_logger(__name__)
 
 # Below this many characters (or token ids), the work takes under a millisecond or so.
 INLINE_LIMIT = 16_384
+WORKER_NICENESS = 10
 
 
 class PromptTooLong(ValueError):
@@ -67,6 +69,9 @@ _worker_tokenizer: Any = None
 def _init_worker(pickled_tokenizer: bytes) -> None:
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    # A huge input is one client's slow request: on a machine with as many cores as the engine
+    # uses, the engine core's steps and the event loop must keep the CPU before it.
+    os.nice(WORKER_NICENESS)
     _worker_tokenizer = pickle.loads(pickled_tokenizer)
 
 
