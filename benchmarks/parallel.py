@@ -1,12 +1,13 @@
 """Tokens per second of one engine laid out over processes: `pagellm serve` with each layout
 (`tp1`: one process with all the cores' threads; `tpN` / `ppN`: N gloo ranks, each pinned to
-its own cores), measured with `pagellm bench serve` at each concurrency.
+its own cores; `dpN`: N whole engine cores behind one API server, each on its own cores),
+measured with `pagellm bench serve` at each concurrency.
 
 On a machine of 2 cores this is the honest cost of the communication: two ranks of one core
 each against one process of two threads. The embedded SmolLM2-135M has 9 query heads, so
 its tensor parallel sizes are 1, 3 and 9 (`tp3`); pass `--model` for another.
 
-    python benchmarks/parallel.py --layouts tp1,tp3,pp2 --concurrency 1,64
+    python benchmarks/parallel.py --layouts tp1,tp3,pp2,dp2 --concurrency 1,64
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms")
 
 
 def layout_flags(layout: str) -> list[str]:
-    """`tp2` -> ["-tp", "2"], `pp2` -> ["-pp", "2"], `tp2pp2` -> both."""
+    """`tp2` -> ["-tp", "2"], `pp2` -> ["-pp", "2"], `dp2` -> ["-dp", "2"], `tp2pp2` -> both."""
     flags: list[str] = []
     rest = layout
     while rest:
         kind, rest = rest[:2], rest[2:]
         digits = len(rest) - len(rest.lstrip("0123456789"))
-        if kind not in ("tp", "pp") or not digits:
-            raise SystemExit(f"bad layout {layout!r}: use e.g. tp1, tp3, pp2, tp3pp2")
+        if kind not in ("tp", "pp", "dp") or not digits:
+            raise SystemExit(f"bad layout {layout!r}: use e.g. tp1, tp3, pp2, dp2, tp3pp2")
         flags += [f"-{kind}", rest[:digits]]
         rest = rest[digits:]
     return flags

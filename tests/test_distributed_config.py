@@ -47,7 +47,7 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
 
 
 @pytest.mark.parametrize("overrides, refused", [
-    ({"data_parallel_size": 2}, "data parallelism"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data parallelism combined"),
     ({"distributed_executor_backend": "ray"}, "'ray'"),
     ({"headless": True}, "--headless"),
     ({"nnodes": 2}, "multi-node without Ray"),

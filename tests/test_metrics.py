@@ -29,7 +29,7 @@ def scrape(server: RemoteServer) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+    return samples[(name, tuple(sorted({"model_name": "tiny", "engine": "0", **labels}.items())))]
 
 
 def complete(server: RemoteServer, max_tokens: int) -> dict:

@@ -77,10 +77,10 @@ def test_prometheus_exports_the_offload_family():
     expected = {"cpu_cache_usage_perc": 0.5, "cpu_allocation_size": 4096, "store_bytes_total": 768,
                 "store_time_total": 0.75, "load_bytes_total": 256, "load_time_total": 0.1,
                 "store_size_count": 2, "store_size_sum": 768, "load_size_count": 1}
-    assert {name: registry.get_sample_value(f"vllm:kv_offload_{name}", {"model_name": "tiny"})
+    assert {name: registry.get_sample_value(f"vllm:kv_offload_{name}", {"model_name": "tiny", "engine": "0"})
             for name in expected} == pytest.approx(expected)
     for name in ("vllm:num_preemptions_swap_total", "vllm:num_preemptions_recompute_total"):
-        assert registry.get_sample_value(name, {"model_name": "tiny"}) == 1
+        assert registry.get_sample_value(name, {"model_name": "tiny", "engine": "0"}) == 1
 
 
 def test_the_stats_line_is_followed_by_kv_transfer_metrics(caplog: pytest.LogCaptureFixture):

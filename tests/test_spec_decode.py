@@ -16,6 +16,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.spec_decode.config import parse_speculative_config
 from pagellm.spec_decode.controller import (MAX_PROBE_INTERVAL, PROBE_INTERVAL,
                                             SpeculationController)
+from pagellm.metrics.loggers import MetricFactory
 from pagellm.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm, SpecDecodingStats
 from pagellm.spec_decode.ngram import NgramProposer
 from pagellm.spec_decode.rejection_sampler import accept_matching, rejection_sample
@@ -158,15 +159,15 @@ def test_metrics_and_log_line_as_vllm() -> None:
     stats.observe(3, 2)
     stats.observe(3, 0)
     registry = CollectorRegistry()
-    SpecDecodingProm(registry, "m", 3).record(stats)
+    SpecDecodingProm(MetricFactory(registry, "m"), 0, 3).record(stats)
     assert registry.get_sample_value("vllm:spec_decode_num_drafts_total",
-                                     {"model_name": "m"}) == 2
+                                     {"model_name": "m", "engine": "0"}) == 2
     assert registry.get_sample_value("vllm:spec_decode_num_draft_tokens_total",
-                                     {"model_name": "m"}) == 6
+                                     {"model_name": "m", "engine": "0"}) == 6
     assert registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_total",
-                                     {"model_name": "m"}) == 2
+                                     {"model_name": "m", "engine": "0"}) == 2
     assert registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                                     {"model_name": "m", "position": "1"}) == 1
+                                     {"model_name": "m", "engine": "0", "position": "1"}) == 1
     handler = _Lines()
     logging.getLogger("pagellm.spec_decode.metrics").addHandler(handler)
     try:

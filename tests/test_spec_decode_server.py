@@ -121,6 +121,7 @@ def test_the_speculating_server_counts_drafts(servers: dict[str, RemoteServer]) 
     drafts = [line for line in text.splitlines()
               if line.startswith("vllm:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="3"}' \
+    assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total'
+            '{engine="0",model_name="tiny",position="3"}') \
         in text
     assert "vllm:spec_decode" not in httpx.get(f"{servers['plain'].url}/metrics").text

@@ -143,8 +143,9 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
             args.distributed_executor_backend == "ray",
         "distributed_executor_backend 'external_launcher'":
             args.distributed_executor_backend == "external_launcher",
-        f"data parallelism (data_parallel_size {args.data_parallel_size})":
-            args.data_parallel_size > 1,
+        "data parallelism combined with tensor or pipeline parallelism":
+            args.data_parallel_size > 1
+            and args.tensor_parallel_size * args.pipeline_parallel_size > 1,
         "data_parallel_size_local / data_parallel_start_rank / data_parallel_rank":
             args.data_parallel_size_local is not None or args.data_parallel_start_rank != 0
             or args.data_parallel_rank is not None,
@@ -156,7 +157,8 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
     refused = [name for name, asked in unbuilt.items() if asked]
     if refused:
         raise ValueError(f"{refused[0]} is not supported by pagellm yet; one node runs tensor "
-                         "and pipeline parallelism with the mp executor.")
+                         "and pipeline parallelism with the mp executor, or data parallel "
+                         "engine cores of one process each.")
 
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

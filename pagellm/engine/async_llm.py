@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import (AddLoRA, EngineCoreClient, KVCacheReport, RemoveLoRA,
@@ -23,6 +23,9 @@ from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import OutputKind, SamplingParams
 from pagellm.tokenizer import apply_chat_template, load_chat_template
+
+if TYPE_CHECKING:
+    from pagellm.distributed.data_parallel import DataParallelCoreClient
 
 logger = init_logger(__name__)
 
@@ -42,7 +45,8 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead = False
         self._closing = False
-        self.client = EngineCoreClient(args, self._on_result, self._on_dead)
+        self.num_engines = args.data_parallel_size
+        self.client = self._start_client(args)
         ready = self.client.ready
         self.info = ready.info
         self.model_path = Path(ready.model_path)
@@ -56,9 +60,18 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = []
         if log_stats:
             kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
-            self.stat_loggers = [LoggingStatLogger(kv_label), PrometheusStatLogger(self.model_name)]
+            self.stat_loggers = [
+                *(LoggingStatLogger(kv_label, engine) for engine in range(self.num_engines)),
+                *PrometheusStatLogger.for_engines(self.model_name, self.num_engines)]
         self._log_task: asyncio.Task | None = None
         self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
+
+    def _start_client(self, args: EngineArgs) -> "EngineCoreClient | DataParallelCoreClient":
+        if self.num_engines == 1:
+            return EngineCoreClient(args, self._on_result, self._on_dead)
+        from pagellm.distributed.data_parallel import DataParallelCoreClient
+
+        return DataParallelCoreClient(args, self.num_engines, self._on_result, self._on_dead)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = True) -> "AsyncLLM":
@@ -189,7 +202,7 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(output)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(result.stats, iteration)
+            stat_logger.record(result.stats, iteration, result.engine)
 
     def _on_dead(self) -> None:
         if self._closing:

@@ -63,6 +63,7 @@ class FinishRequests:
 class StepResult:
     updates: list[RequestUpdate]
     stats: SchedulerStats
+    engine: int = 0  # the data parallel rank that stepped (set on the server's side)
 
 
 @dataclass
@@ -102,14 +103,22 @@ class _Shutdown:
     pass
 
 
-def run_engine_core(conn: Connection, args: EngineArgs) -> None:
+def run_engine_core(conn: Connection, args: EngineArgs, engine: int = 0,
+                    num_engines: int = 1) -> None:
     """Entry point of the core process: build the engine, then step while there is work.
 
     Ctrl-C reaches the whole process group; only the server acts on it (it drains, then
-    stops this process through the pipe), so that it is not taken for an engine death."""
+    stops this process through the pipe), so that it is not taken for an engine death.
+    Data parallel engines (`num_engines` > 1) each take their share of the cores."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pagellm.engine.core import EngineCore
     from pagellm.engine.llm_engine import resolve_device
+
+    if num_engines > 1:
+        from pagellm.distributed.group import pin_threads
+
+        logger.info("Data parallel rank %d of %d on cores %s", engine, num_engines,
+                    pin_threads(engine, num_engines))
 
     try:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
@@ -179,24 +188,37 @@ def _kv_cache_report(scheduler) -> KVCacheReport:
 
 
 class EngineCoreClient:
-    """Starts the core process and forwards its step results to `on_result` from a thread."""
+    """Starts the core process and forwards its step results to `on_result` from a thread.
+
+    `wait=False` returns once the process is started, so that several engines load at once;
+    then `wait_ready()` and `start_reading()`."""
 
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
-                 on_dead: Callable[[], None]) -> None:
+                 on_dead: Callable[[], None], engine: int = 0, num_engines: int = 1,
+                 wait: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=run_engine_core, args=(child_conn, args),
-                                        name="EngineCore", daemon=True)
+        name = "EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}"
+        self._process = context.Process(target=run_engine_core, name=name, daemon=True,
+                                        args=(child_conn, args, engine, num_engines))
         self._process.start()
         child_conn.close()
-        self.ready = self._wait_ready()
         self._send_lock = threading.Lock()
         self._kv_reports: list[Future[KVCacheReport]] = []
         self._lora_replies: list[Future[LoRAReply]] = []
         self._on_result, self._on_dead = on_result, on_dead
+        if wait:
+            self.wait_ready()
+            self.start_reading()
+
+    def start_reading(self) -> None:
         self._reader = threading.Thread(target=self._read_results, name="EngineCoreOutput",
                                         daemon=True)
         self._reader.start()
+
+    def wait_ready(self) -> CoreReady:
+        self.ready = self._wait_ready()
+        return self.ready
 
     def _wait_ready(self) -> CoreReady:
         start = time.monotonic()

@@ -29,6 +29,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs in `pagellm serve` (one API server "
+                             "over several engine cores); the offline LLM has one engine core.")
         self.core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
                                resolve_device(args.device), args.grammar_config(),
                                args.speculative(), args.parallel_config(), args.lora_config())

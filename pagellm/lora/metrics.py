@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge
+
+if TYPE_CHECKING:
+    from pagellm.metrics.loggers import MetricFactory
 
 
 @dataclass
@@ -19,15 +24,15 @@ class LoRAStats:
 
 
 class LoRAMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, make: "MetricFactory", engine: int) -> None:
         # vLLM's labels, in vLLM's order; the value is the time of the last update, so that
         # of the label sets exported, consumers take the latest
-        self.info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                          ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                          registry=registry)
-        self.requests = Counter("pagellm:lora_requests", "Requests received per LoRA adapter.",
-                                ["model_name", "lora_name"], registry=registry)
-        self.model_name = model_name
+        self.info = make.family(Gauge, "vllm:lora_requests_info", "Running stats on lora requests.",
+                                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                                engine_labels=False)
+        self.requests = make.family(Counter, "pagellm:lora_requests",
+                                    "Requests received per LoRA adapter.", ("lora_name",))
+        self._make, self.engine = make, engine
         self._counted: dict[str, int] = {}
 
     def record(self, stats: LoRAStats) -> None:
@@ -36,5 +41,5 @@ class LoRAMetrics:
         for name, total in stats.requests.items():
             delta = total - self._counted.get(name, 0)
             if delta > 0:
-                self.requests.labels(self.model_name, name).inc(delta)
+                self._make.child(self.requests, self.engine, name).inc(delta)
             self._counted[name] = total

@@ -51,7 +51,10 @@ class EngineViewRecorder:
             self.buckets.append(_Bucket(start))
         return self.buckets[-1]
 
-    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
+        if engine != 0:  # with -dp, the view shows the first engine core
+            return
         bucket = self._bucket(time.monotonic())
         bucket.generation_tokens += iteration.num_generation_tokens
         if scheduler is not None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -20,16 +19,21 @@ LOG_INTERVAL_SECONDS = 10.0
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None: ...
+    """`engine`: the data parallel rank whose step produced the record (0 without -dp)."""
+
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None: ...
 
     def log(self) -> None: ...
 
 
 class LoggingStatLogger:
-    """Logs throughput and queue state every interval while the engine has had work."""
+    """Logs throughput and queue state every interval while the engine has had work; one
+    per engine core, each line headed by its rank as vLLM's are."""
 
-    def __init__(self, kv_label: str = "KV cache usage") -> None:
+    def __init__(self, kv_label: str = "KV cache usage", engine: int = 0) -> None:
         self.kv_label = kv_label
+        self.engine = engine
         self.last: SchedulerStats | None = None
         self._logged: SchedulerStats | None = None
         self._hit_rate = 0.0
@@ -42,7 +46,10 @@ class LoggingStatLogger:
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
-    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
+        if engine != self.engine:
+            return
         if scheduler is not None:
             self.prompt_tokens += scheduler.num_prompt_tokens
             self.last = scheduler
@@ -62,9 +69,9 @@ class LoggingStatLogger:
         previous, self._logged = self._logged, stats
         self._update_hit_rate(stats, previous)
         logger.info(
-            "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+            "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
             "tokens/s, Running: %d reqs, Waiting: %d reqs, Preemptions: %d, %s: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%", self.prompt_tokens / elapsed,
+            "Prefix cache hit rate: %.1f%%", self.engine, self.prompt_tokens / elapsed,
             self.generation_tokens / elapsed, stats.num_running, stats.num_waiting,
             stats.num_preemptions, self.kv_label, stats.kv_cache_usage * 100,
             self._hit_rate * 100)
@@ -109,44 +116,58 @@ _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
-@dataclass
-class _MetricFactory:
-    """Metrics labelled with `model_name`, in one registry."""
+class MetricFactory:
+    """vLLM's metric families in one registry, labelled `model_name` and `engine` (the data
+    parallel rank, "0" without -dp); each family is made once and shared by the engines."""
 
-    registry: CollectorRegistry
-    model_name: str
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        self._families: dict[str, Any] = {}
 
-    def gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+    def family(self, kind: type, name: str, doc: str, extra_labels: tuple[str, ...] = (),
+               engine_labels: bool = True, **options: Any) -> Any:
+        """`engine_labels=False`: a family with only `extra_labels` (vLLM's info gauges)."""
+        if name not in self._families:
+            labels = ["model_name", "engine"] if engine_labels else []
+            self._families[name] = kind(name, doc, [*labels, *extra_labels],
+                                        registry=self.registry, **options)
+        return self._families[name]
 
-    def counter(self, name: str, doc: str) -> Counter:
-        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+    def child(self, family: Any, engine: int, *extra_values: str) -> Any:
+        return family.labels(self.model_name, str(engine), *extra_values)
 
-    def histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
-        return Histogram(name, doc, ["model_name"], buckets=buckets,
-                         registry=self.registry).labels(self.model_name)
+    def gauge(self, name: str, doc: str, engine: int) -> Gauge:
+        return self.child(self.family(Gauge, name, doc), engine)
+
+    def counter(self, name: str, doc: str, engine: int) -> Counter:
+        return self.child(self.family(Counter, name, doc), engine)
+
+    def histogram(self, name: str, doc: str, buckets: list[float], engine: int) -> Histogram:
+        return self.child(self.family(Histogram, name, doc, buckets=buckets), engine)
 
 
 class _OffloadMetrics:
     """vLLM's OffloadingConnector family; registered once the engine reports a second tier."""
 
-    def __init__(self, make: _MetricFactory) -> None:
-        self.usage = make.gauge("vllm:kv_offload_cpu_cache_usage_perc",
+    def __init__(self, make: MetricFactory, engine: int) -> None:
+        gauge, counter, histogram = _for_engine(make, engine)
+        self.usage = gauge("vllm:kv_offload_cpu_cache_usage_perc",
                                 "CPU KV offloading usage. 1 means 100 percent.")
-        self.allocation = make.gauge("vllm:kv_offload_cpu_allocation_size",
+        self.allocation = gauge("vllm:kv_offload_cpu_allocation_size",
                                      "Bytes of CPU memory allocated for offloaded KV blocks.")
-        self.store_bytes = make.counter("vllm:kv_offload_store_bytes",
+        self.store_bytes = counter("vllm:kv_offload_store_bytes",
                                         "Total bytes stored from GPU to offload storage.")
-        self.store_time = make.counter("vllm:kv_offload_store_time",
+        self.store_time = counter("vllm:kv_offload_store_time",
                                        "Total store time from GPU to offload storage, in seconds.")
-        self.store_size = make.histogram("vllm:kv_offload_store_size",
+        self.store_size = histogram("vllm:kv_offload_store_size",
                                          "Histogram of KV offload store operation size, in bytes.",
                                          _TRANSFER_SIZE_BUCKETS)
-        self.load_bytes = make.counter("vllm:kv_offload_load_bytes",
+        self.load_bytes = counter("vllm:kv_offload_load_bytes",
                                        "Total bytes loaded from offload storage to GPU.")
-        self.load_time = make.counter("vllm:kv_offload_load_time",
+        self.load_time = counter("vllm:kv_offload_load_time",
                                       "Total load time from offload storage to GPU, in seconds.")
-        self.load_size = make.histogram("vllm:kv_offload_load_size",
+        self.load_size = histogram("vllm:kv_offload_load_size",
                                         "Histogram of KV offload load operation size, in bytes.",
                                         _TRANSFER_SIZE_BUCKETS)
 
@@ -164,13 +185,25 @@ class _OffloadMetrics:
             self.load_size.observe(delta.load_bytes / delta.num_loads)
 
 
-class PrometheusStatLogger:
-    """vLLM's metric names and types, labelled with `model_name`."""
+def _for_engine(make: MetricFactory, engine: int) -> tuple[Any, Any, Any]:
+    """gauge(name, doc), counter(name, doc), histogram(name, doc, buckets) of one engine."""
+    return (lambda name, doc: make.gauge(name, doc, engine),
+            lambda name, doc: make.counter(name, doc, engine),
+            lambda name, doc, buckets: make.histogram(name, doc, buckets, engine))
 
-    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY) -> None:
-        _unregister_vllm_metrics(registry)
-        self._make = _MetricFactory(registry, model_name)
-        gauge, counter, histogram = self._make.gauge, self._make.counter, self._make.histogram
+
+class PrometheusStatLogger:
+    """vLLM's metric names and types for one engine core, labelled `model_name` and
+    `engine`. `factory`: the families already made for the other engines of this server;
+    without it, a new engine replaces the metrics of any previous one in the registry."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY,
+                 engine: int = 0, factory: MetricFactory | None = None) -> None:
+        if factory is None:
+            _unregister_vllm_metrics(registry)
+            factory = MetricFactory(registry, model_name)
+        self._make, self.engine = factory, engine
+        gauge, counter, histogram = _for_engine(factory, engine)
         self._offload: _OffloadMetrics | None = None
         self._spec_decoding: SpecDecodingProm | None = None
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
@@ -189,8 +222,9 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                ["model_name", "finished_reason"], registry=registry)
+        self._success = factory.family(Counter, "vllm:request_success",
+                                       "Count of successfully processed requests.",
+                                       ("finished_reason",))
         self.model_name = model_name
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
@@ -205,7 +239,17 @@ class PrometheusStatLogger:
         self._previous: SchedulerStats | None = None
         self._lora: LoRAMetrics | None = None
 
-    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats) -> None:
+    @classmethod
+    def for_engines(cls, model_name: str, num_engines: int,
+                    registry: CollectorRegistry = REGISTRY) -> list["PrometheusStatLogger"]:
+        first = cls(model_name, registry)
+        return [first, *(cls(model_name, registry, engine, first._make)
+                         for engine in range(1, num_engines))]
+
+    def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
+        if engine != self.engine:
+            return
         if scheduler is not None:
             self.running.set(scheduler.num_running)
             self.waiting.set(scheduler.num_waiting)
@@ -218,7 +262,7 @@ class PrometheusStatLogger:
         for value in iteration.inter_token_latencies:
             self.itl.observe(value)
         for finished in iteration.finished_requests:
-            self._success.labels(self.model_name, finished.finish_reason).inc()
+            self._make.child(self._success, self.engine, finished.finish_reason).inc()
             self.e2e.observe(finished.e2e_latency)
             self.request_prompt.observe(finished.num_prompt_tokens)
             self.request_generation.observe(finished.num_generation_tokens)
@@ -232,16 +276,16 @@ class PrometheusStatLogger:
         self.recomputes.inc(stats.num_preemptions_recompute - previous.num_preemptions_recompute)
         if stats.offload is not None:
             if self._offload is None:
-                self._offload = _OffloadMetrics(self._make)
+                self._offload = _OffloadMetrics(self._make, self.engine)
             self._offload.record(stats.offload, previous.offload)
         if stats.spec_decoding is not None:
             if self._spec_decoding is None:
-                self._spec_decoding = SpecDecodingProm(self._make.registry, self.model_name,
+                self._spec_decoding = SpecDecodingProm(self._make, self.engine,
                                                        stats.spec_decoding.num_spec_tokens)
             self._spec_decoding.record(stats.spec_decoding)
         if stats.lora is not None:
             if self._lora is None:
-                self._lora = LoRAMetrics(self._make.registry, self.model_name)
+                self._lora = LoRAMetrics(self._make, self.engine)
             self._lora.record(stats.lora)
         self._previous = stats
 

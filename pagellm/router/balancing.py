@@ -18,7 +18,8 @@ import httpx
 
 from pagellm.logger import init_logger
 from pagellm.router.backends import Backend, BackendPool
-from pagellm.router.prefix import PrefixIndex, block_hashes, prompt_tokens
+from pagellm.core.prefix_index import PrefixIndex, block_hashes
+from pagellm.router.prefix import prompt_tokens
 
 logger = init_logger(__name__)
 

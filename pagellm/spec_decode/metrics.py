@@ -11,9 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter
 
 from pagellm.logger import init_logger
+
+if TYPE_CHECKING:
+    from pagellm.metrics.loggers import MetricFactory
 
 logger = init_logger(__name__)
 
@@ -85,18 +90,17 @@ class SpecDecodingProm:
     rate(accepted) / rate(draft_tokens); mean acceptance length = 1 + rate(accepted) /
     rate(num_drafts); per-position rate = accepted_per_pos / num_drafts."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, num_spec_tokens: int) -> None:
+    def __init__(self, make: "MetricFactory", engine: int, num_spec_tokens: int) -> None:
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+            return make.counter(name, doc, engine)
 
         self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.accepted = counter("vllm:spec_decode_num_accepted_tokens",
                                 "Number of accepted tokens.")
-        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                          "Accepted tokens per draft position.", ["model_name", "position"],
-                          registry=registry)
-        self.per_pos = [per_pos.labels(model_name, str(position))
+        per_pos = make.family(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", ("position",))
+        self.per_pos = [make.child(per_pos, engine, str(position))
                         for position in range(num_spec_tokens)]
         self._previous: SpecDecodingStats | None = None
 

@@ -1,0 +1,163 @@
+"""Data parallelism on one node (`-dp N`): N engine cores, each a process with its own
+scheduler, KV cache and cores, behind one API server.
+
+`DataParallelCoreClient` has the single core client's interface, so the server above it
+does not change. Each new request goes to the least loaded engine, as vLLM's coordinator
+scores it (waiting x 4 + running, from the engine's latest step, plus what was sent to it
+since); among equally loaded engines, to the one whose prefix cache holds most of the
+prompt's leading blocks (the API server keeps an LRU of the block hashes it sent to each,
+in the engine's own hash chain); then to the lowest rank. The balancer deals only in token
+ids and integers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pagellm.core.prefix_index import PrefixIndex, block_hashes
+from pagellm.core.sched_output import SchedulerStats
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_client import (AddLoRA, CoreReady, EngineCoreClient, KVCacheReport,
+                                        LoRAReply, RemoveLoRA, StepResult)
+from pagellm.logger import init_logger
+from pagellm.request import Request, RequestStatus, child_request_id
+
+logger = init_logger(__name__)
+WAITING_WEIGHT = 4  # vLLM's: a queued request counts as four running ones
+
+
+@dataclass
+class _EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    sent_since_step: int = 0  # requests sent after its latest step result was read
+
+    @property
+    def score(self) -> int:
+        return (self.waiting + self.sent_since_step) * WAITING_WEIGHT + self.running
+
+
+class DataParallelBalancer:
+    def __init__(self, num_engines: int, block_size: int, capacity_blocks: int) -> None:
+        self.loads = [_EngineLoad() for _ in range(num_engines)]
+        self.block_size = block_size
+        self.prefixes = PrefixIndex(capacity_blocks)
+
+    def pick(self, token_ids: list[int], salt: str | None) -> int:
+        """The engine for a new request, recorded as holding its prompt's blocks."""
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        engine = min(range(len(self.loads)), key=lambda e: (
+            self.loads[e].score, -self.prefixes.matched_blocks(str(e), hashes), e))
+        self.prefixes.record(str(engine), hashes)
+        self.loads[engine].sent_since_step += 1
+        return engine
+
+    def observe(self, engine: int, stats: SchedulerStats) -> None:
+        self.loads[engine] = _EngineLoad(stats.num_running, stats.num_waiting)
+
+
+class DataParallelCoreClient:
+    """`num_engines` EngineCoreClients started side by side; results are tagged with the
+    rank that produced them."""
+
+    def __init__(self, args: EngineArgs, num_engines: int,
+                 on_result: Callable[[StepResult], None], on_dead: Callable[[], None]) -> None:
+        self._on_result = on_result
+        self.clients = [EngineCoreClient(args, self._tagged(engine), on_dead, engine,
+                                         num_engines, wait=False)
+                        for engine in range(num_engines)]
+        try:
+            for client in self.clients:
+                client.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.ready: CoreReady = self.clients[0].ready
+        blocks = min(client.ready.info.num_kv_blocks for client in self.clients)
+        self.balancer = DataParallelBalancer(num_engines, args.block_size, max(blocks, 1))
+        self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
+        for client in self.clients:
+            client.start_reading()
+        logger.info("Data parallel: %d engine cores, each with %s KV blocks", num_engines,
+                    f"{blocks:,}")
+
+    def _tagged(self, engine: int) -> Callable[[StepResult], None]:
+        def on_result(result: StepResult) -> None:
+            result.engine = engine
+            self.balancer.observe(engine, result.stats)
+            for update in result.updates:
+                if update.finished:
+                    self._owner.pop(update.request_id, None)
+            self._on_result(result)
+
+        return on_result
+
+    def add_request(self, request: Request) -> None:
+        salt = request.cache_salt
+        if request.lora_request is not None:  # adapters' blocks never match the base model's
+            salt = f"{salt or ''}\x00{request.lora_request.lora_name}"
+        engine = self.balancer.pick(request.prompt_token_ids, salt)
+        for index in range(request.sampling_params.n):
+            self._owner[child_request_id(request.request_id, index)] = engine
+        self.clients[engine].add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._owner.pop(request_id, None)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self.clients[engine].finish_requests(ids, status)
+
+    def check_kv_cache(self) -> Future[KVCacheReport]:
+        """Every engine's report, summed; the first problem found, naming its engine."""
+        reports = [client.check_kv_cache() for client in self.clients]
+        combined: Future[KVCacheReport] = Future()
+
+        def combine(_: Future[KVCacheReport]) -> None:
+            if combined.done() or not all(report.done() for report in reports):
+                return
+            try:
+                parts = [report.result() for report in reports]
+            except RuntimeError as error:
+                combined.set_exception(error)
+                return
+            problems = [f"engine {engine}: {part.problem}"
+                        for engine, part in enumerate(parts) if part.problem]
+            combined.set_result(KVCacheReport(
+                sum(p.num_blocks for p in parts), sum(p.used_blocks for p in parts),
+                sum(p.num_requests for p in parts), problems[0] if problems else None))
+
+        for report in reports:
+            report.add_done_callback(combine)
+        return combined
+
+    def lora_call(self, message: AddLoRA | RemoveLoRA) -> Future[LoRAReply]:
+        """Every engine loads (or drops) the adapter; the first error is the answer."""
+        replies = [client.lora_call(message) for client in self.clients]
+        combined: Future[LoRAReply] = Future()
+
+        def combine(_: Future[LoRAReply]) -> None:
+            if combined.done() or not all(reply.done() for reply in replies):
+                return
+            try:
+                errors = [reply.result().error for reply in replies]
+            except RuntimeError as error:
+                combined.set_exception(error)
+                return
+            combined.set_result(LoRAReply(next((e for e in errors if e), None)))
+
+        for reply in replies:
+            reply.add_done_callback(combine)
+        return combined
+
+    @property
+    def alive(self) -> bool:
+        return all(client.alive for client in self.clients)
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
