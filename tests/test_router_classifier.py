@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 from fake_openai_server import FakeOpenAIServer
 from rag_utils import minilm_path
 from router_gateway import LONG_TASK, a, b, chat, ext, fakes, gateway_config  # noqa: F401
 from router_utils import RouterServer
-from server_utils import RemoteServer, free_port
+from server_utils import REPO_ROOT, RemoteServer, free_port
 
 from pagellm.router.complexity import complexity_score
 from pagellm.router.config import ComplexityConfig, config_from_dict
@@ -83,3 +84,12 @@ def test_classifier_group_must_be_local(a: FakeOpenAIServer, b: FakeOpenAIServer
     config["complexity"]["classifier"]["complex"] = []
     with pytest.raises(ValueError, match="needs `simple` and `complex` examples"):
         config_from_dict(config)
+
+
+def test_the_documented_classifier_config_loads() -> None:
+    text = (REPO_ROOT / "docs" / "router.md").read_text()
+    block = text.split("```yaml\ngroups:\n  embed:", 1)[1].split("```", 1)[0]
+    config = config_from_dict(yaml.safe_load("groups:\n  embed:" + block))
+    classifier = config.complexity.classifier
+    assert classifier is not None and classifier.group == "embed"
+    assert classifier.on_error == "simple" and len(classifier.complex) == 2
