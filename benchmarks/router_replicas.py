@@ -42,7 +42,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from server_utils import cli_env, free_port  # noqa: E402
+from server_utils import cli_env, engine_core_pid, free_port  # noqa: E402
 
 from router_overhead import cpu_seconds  # noqa: E402
 from server_health import wait_healthy  # noqa: E402
@@ -131,6 +131,13 @@ def start_router(args: argparse.Namespace, replicas: list[Process], model: str,
     router = _launch([*CLI, "router", "--config", config.name], port)
     router.files.append(config)
     return wait_ready([router], args)[0]
+
+
+def report_pinning(args: argparse.Namespace, replicas: list[Process]) -> None:
+    """The CPUs each replica's engine core (the process that runs the model) may use."""
+    if not args.fake_replicas:
+        cpus = [sorted(os.sched_getaffinity(engine_core_pid(r.process.pid))) for r in replicas]
+        print(f"Engine cores started, on CPUs {' and '.join(map(str, cpus))}.\n", flush=True)
 
 
 def model_name(replica: Process) -> str:
@@ -249,6 +256,7 @@ def routed(args: argparse.Namespace, replicas: list[Process], model: str, policy
 def two_replica_parts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Everything measured on the two one-core replicas: throughput rows, chat rows."""
     replicas = wait_ready([launch_replica(args, {core}) for core in (0, 1)], args)
+    report_pinning(args, replicas)
     throughput_rows, chat_rows = [], []
     try:
         model = args.served_model or model_name(replicas[0])
@@ -273,6 +281,7 @@ def two_replica_parts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def one_replica_row(args: argparse.Namespace) -> str:
     replica = wait_ready([launch_replica(args, {0, 1})], args)[0]
+    report_pinning(args, [replica])
     try:
         model = args.served_model or model_name(replica)
         warm_up(replica.url, model, args)
