@@ -173,7 +173,8 @@ def throughput(url: str, model: str, args: argparse.Namespace, num_prompts: int,
     serve.add_cli_args(parser)
     bench_args = parser.parse_args([
         "--backend", "openai-chat", "--base-url", url, "--model", model,
-        "--random-input-len", str(args.input_len), "--random-output-len", str(output_len or args.output_len),
+        "--random-input-len", str(args.input_len),
+        "--random-output-len", str(output_len or args.output_len),
         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
         "--metric-percentiles", "50,99", "--ignore-eos", "--disable-tqdm",
         "--seed", str(args.seed)])
@@ -199,7 +200,7 @@ def chat(url: str, model: str, args: argparse.Namespace, salt: str,
         return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before))
 
     queries = delta("vllm:prefix_cache_queries_total")
-    return {"metrics": metrics, "requests": len(run.outputs),
+    return {"metrics": metrics,
             "hit_rate": delta("vllm:prefix_cache_hits_total") / queries if queries else None}
 
 
@@ -256,9 +257,9 @@ def routed(args: argparse.Namespace, replicas: list[Process], model: str, policy
 def two_replica_parts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Everything measured on the two one-core replicas: throughput rows, chat rows."""
     replicas = wait_ready([launch_replica(args, {core}) for core in (0, 1)], args)
-    report_pinning(args, replicas)
     throughput_rows, chat_rows = [], []
     try:
+        report_pinning(args, replicas)
         model = args.served_model or model_name(replicas[0])
         for replica in replicas:
             warm_up(replica.url, model, args)
@@ -281,8 +282,8 @@ def two_replica_parts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def one_replica_row(args: argparse.Namespace) -> str:
     replica = wait_ready([launch_replica(args, {0, 1})], args)[0]
-    report_pinning(args, [replica])
     try:
+        report_pinning(args, [replica])
         model = args.served_model or model_name(replica)
         warm_up(replica.url, model, args)
         result = throughput(replica.url, model, args, args.clients * args.prompts_per_client,
