@@ -29,7 +29,7 @@ from server_health import wait_healthy  # noqa: E402
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -96,9 +96,9 @@ def _report(args: argparse.Namespace, backend_url: str, router_url: str, folder:
           f" {'router CPU ms/request':>22}")
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         direct = _bench(backend_url, concurrency, args, folder)
-        cpu_before = _cpu_seconds(router_pid)
+        cpu_before = cpu_seconds(router_pid)
         routed = _bench(router_url, concurrency, args, folder)
-        cpu_ms = (_cpu_seconds(router_pid) - cpu_before) * 1000 / routed["completed"]
+        cpu_ms = (cpu_seconds(router_pid) - cpu_before) * 1000 / routed["completed"]
         for label, result in (("direct", direct), ("router", routed)):
             print(f"{concurrency:>7} {label:>7} " +
                   " ".join(f"{result[m]:>15.2f}" for m in METRICS) +

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from server_utils import run_cli
 
+from pagellm.router.complexity import complexity_score
 from pagellm.router.config import PrivacyConfig, config_from_dict, load_config
 from pagellm.router.pii import PIIDetector
-from pagellm.router.policy import complexity_score
 
 FOUND = [
     ("email", "reach me at j.smith+billing@mail.example.co.uk"),

@@ -60,6 +60,8 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     expected_output_len: int
+    # a whole chat (system, earlier turns) for openai-chat; None sends `prompt` as one user turn
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ class Endpoint:
         body: dict[str, Any] = {"model": self.model, "temperature": self.temperature,
                                 "stream": True, "stream_options": {"include_usage": True}}
         if self.backend == "openai-chat":
-            body["messages"] = [{"role": "user", "content": sample.prompt}]
+            body["messages"] = (list(sample.messages) if sample.messages is not None
+                                else [{"role": "user", "content": sample.prompt}])
             body["max_completion_tokens"] = sample.expected_output_len
         else:
             body["prompt"] = sample.prompt

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from pagellm.logger import init_logger
 from pagellm.router.backends import BackendPool
 from pagellm.router.balancing import Balancer
+from pagellm.router.complexity import ComplexityEstimator
 from pagellm.router.config import RouterConfig
 from pagellm.router.errors import error_response, install_error_handlers, router_error
 from pagellm.router.metrics import RouterMetrics
@@ -68,7 +69,8 @@ def build_state(config: RouterConfig) -> RouterState:
         backend.config.api_key()   # a missing key fails at start-up, not on the first call
     balancer = Balancer(pool, control)
     metrics = RouterMetrics(pool)
-    policy = Policy(config, balancer.count_tokens)
+    estimator = ComplexityEstimator(config.complexity, pool, control, metrics.complexity)
+    policy = Policy(config, balancer.count_tokens, estimator)
     return RouterState(config, client, control, pool, balancer, metrics, policy,
                        Proxy(pool, balancer, metrics, client))
 

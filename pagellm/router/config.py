@@ -141,14 +141,36 @@ class PrivacyConfig:
 
 
 @dataclass
+class ClassifierConfig:
+    """The classifier tier: the request's task embedded by a local embedding group and
+    compared with the centroids of labelled examples (cosine similarity)."""
+
+    group: str                     # a group of local backends serving `/v1/embeddings`
+    simple: list[str]
+    complex: list[str]
+    margin: float = 0.0            # complex when its centroid is closer by more than this
+    on_error: str = "simple"       # the tier when the classifier cannot answer
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.simple or not self.complex:
+            raise ValueError("complexity.classifier needs `simple` and `complex` examples")
+        if self.on_error not in COMPLEXITY_TIERS:
+            raise ValueError(f"complexity.classifier.on_error must be one of "
+                             f"{COMPLEXITY_TIERS}, not {self.on_error!r}")
+
+
+@dataclass
 class ComplexityConfig:
-    """The cheap heuristic tier: a score from length and task words, `complex` at threshold."""
+    """The cheap heuristic tier (a score from length and task words, `complex` at
+    threshold), replaced by the classifier tier when `classifier` is set."""
 
     threshold: float = 3.0
     keywords: list[str] = field(default_factory=lambda: [
         "prove", "derive", "step by step", "analyze", "analyse", "design", "architecture",
         "optimize", "trade-off", "compare", "refactor", "algorithm", "explain why",
         "reasoning", "plan"])
+    classifier: ClassifierConfig | None = None
 
 
 @dataclass
@@ -178,6 +200,12 @@ class RouterConfig:
         for tenant in privacy.tenants:
             if tenant not in self.tenants:
                 raise ValueError(f"privacy.tenants: {tenant!r} is not in `tenants`")
+        classifier = self.complexity.classifier
+        # the classifier sees every request's text, customer data included
+        if classifier is not None and (classifier.group not in self.groups
+                                       or not self.groups[classifier.group].local):
+            raise ValueError(f"complexity.classifier.group {classifier.group!r} must name a "
+                             f"group whose backends are all `local: true`")
 
     def _check_names(self) -> None:
         clashes = set(self.models) & set(self.groups)
@@ -235,7 +263,11 @@ def config_from_dict(data: dict[str, Any]) -> RouterConfig:
     groups = {name: _group(name, item or {}) for name, item in (data.pop("groups", {})).items()}
     models = {name: _route(name, item or {}) for name, item in (data.pop("models", {})).items()}
     privacy = _build(PrivacyConfig, data.pop("privacy", {}) or {}, "privacy")
-    complexity = _build(ComplexityConfig, data.pop("complexity", {}) or {}, "complexity")
+    complexity_data = dict(data.pop("complexity", {}) or {})
+    if complexity_data.get("classifier") is not None:
+        complexity_data["classifier"] = _build(ClassifierConfig, complexity_data["classifier"],
+                                               "complexity.classifier")
+    complexity = _build(ComplexityConfig, complexity_data, "complexity")
     if not groups:
         raise ValueError("the router needs at least one group of backends")
     return _build(RouterConfig, {**data, "groups": groups, "models": models,

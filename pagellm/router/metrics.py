@@ -58,6 +58,9 @@ class RouterMetrics:
         self.prefix_matched = Counter("pagellm_router_prefix_blocks_matched", "Prompt blocks "
                                       "found on the replica chosen.", ["group"],
                                       registry=registry)
+        self.complexity = Counter("pagellm_router_complexity", "Complexity tiers given, by "
+                                  "source: heuristic, classifier or classifier-error.",
+                                  ["tier", "source"], registry=registry)
         registry.register(_BackendCollector(pool))
         pool.on_eject.append(self._ejected)
 

@@ -11,15 +11,15 @@ retry can undo that, because the candidate list the proxy walks is built here.
 from __future__ import annotations
 
 import os
-import re
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.logger import init_logger
-from pagellm.router.config import ComplexityConfig, Condition, RouterConfig
-from pagellm.router.pii import PIIDetector, request_texts
+from pagellm.router.complexity import ComplexityEstimator
+from pagellm.router.config import Condition, RouterConfig
+from pagellm.router.pii import PIIDetector
 
 logger = init_logger(__name__)
 
@@ -34,6 +34,7 @@ class RequestInfo:
     headers: dict[str, str]        # lower-case names
     tags: set[str] = field(default_factory=set)
     tenant: str | None = None
+    complexity: str | None = None  # its tier, once a rule asked
 
 
 @dataclass
@@ -48,23 +49,13 @@ class RouteDecision:
         return f"rule={self.rule}; target={target}; sensitive={str(self.sensitive).lower()}"
 
 
-def complexity_score(body: dict[str, Any], config: ComplexityConfig) -> float:
-    """A cheap estimate of how hard the task is: length, task words, code, several asks."""
-    text = " ".join(request_texts({k: body.get(k) for k in ("messages", "prompt")})).lower()
-    words = len(text.split())
-    score = min(words / 150, 3.0)
-    score += min(sum(1.0 for word in config.keywords if word in text), 3.0)
-    score += 1.0 if "```" in text else 0.0
-    score += min(max(text.count("?") - 1, 0) * 0.5, 1.0)
-    score += 1.0 if len(re.findall(r"(?m)^\s*\d+[.)]\s", text)) >= 3 else 0.0
-    return score
-
-
 class Policy:
-    def __init__(self, config: RouterConfig, count_tokens: TokenCounter) -> None:
+    def __init__(self, config: RouterConfig, count_tokens: TokenCounter,
+                 complexity: ComplexityEstimator) -> None:
         self.config = config
         self.detector = PIIDetector(config.privacy)
         self.count_tokens = count_tokens
+        self.complexity = complexity
         self._tenant_keys = {}
         for tenant, env in config.tenants.items():
             key = os.environ.get(env)
@@ -107,9 +98,9 @@ class Policy:
         if any(info.headers.get(name) != value for name, value in when.headers.items()):
             return False
         if when.complexity is not None:
-            score = complexity_score(info.body, self.config.complexity)
-            tier = "complex" if score >= self.config.complexity.threshold else "simple"
-            if tier != when.complexity:
+            if info.complexity is None:
+                info.complexity = await self.complexity.tier(info.body)
+            if info.complexity != when.complexity:
                 return False
         if when.min_prompt_tokens is not None or when.max_prompt_tokens is not None:
             count = await self.count_tokens(info.body)
