@@ -119,11 +119,10 @@ class RemoteServer:
 
 
 def engine_core_pid(server_pid: int) -> int:
-    """The server's spawned child whose command line is a multiprocessing spawn."""
+    """The server's child that named itself EngineCore (forked or spawned)."""
     children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
     for child in map(int, children):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
+        if Path(f"/proc/{child}/comm").read_text().startswith("EngineCore"):
             return child
     raise AssertionError(f"no engine core process among {children}")
 

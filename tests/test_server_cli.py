@@ -130,3 +130,17 @@ def test_api_key_sources_and_security_flags(tmp_path: Path, monkeypatch: pytest.
     assert code == 2 and "JSON list" in err
     code, err = one_line_error(["serve", "m", "--ssl-keyfile", "k.pem"], capsys)
     assert code == 1 and "--ssl-certfile" in err
+
+
+def test_the_engine_core_start_method_follows_vllm_s_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagellm.engine.core_client import start_method
+
+    for name in ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    assert start_method() == "spawn"  # in-process engines (tests, notebooks) stay safe
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert start_method() == "fork"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "threads")
+    with pytest.raises(ValueError, match="VLLM_WORKER_MULTIPROC_METHOD=threads: use fork"):
+        start_method()

@@ -10,6 +10,7 @@ token updates and scheduler stats out.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -29,6 +30,20 @@ from pagellm.request import Request, RequestStatus
 
 logger = init_logger(__name__)
 _PROGRESS_SECONDS = 15.0
+START_METHOD_ENV_VARS = ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def start_method() -> str:
+    """How the engine core process starts: vLLM's VLLM_WORKER_MULTIPROC_METHOD (or its
+    PAGELLM_ twin) if set, else `spawn`, which is safe in any process (`pagellm serve` sets
+    `fork` where that is safe, see api_server.run_server)."""
+    for name in START_METHOD_ENV_VARS:
+        value = os.environ.get(name)
+        if value:
+            if value not in ("fork", "spawn", "forkserver"):
+                raise ValueError(f"{name}={value}: use fork, spawn or forkserver.")
+            return value
+    return "spawn"
 
 
 @dataclass
@@ -113,6 +128,9 @@ def run_engine_core(conn: Connection, args: EngineArgs, engine: int = 0,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pagellm.engine.core import EngineCore
     from pagellm.engine.llm_engine import resolve_device
+    from pagellm.platform import name_this_process
+
+    name_this_process("EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}")
 
     if num_engines > 1:
         from pagellm.distributed.group import pin_threads
@@ -196,7 +214,7 @@ class EngineCoreClient:
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
                  on_dead: Callable[[], None], engine: int = 0, num_engines: int = 1,
                  wait: bool = True) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(start_method())
         self._conn, child_conn = context.Pipe()
         name = "EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}"
         self._process = context.Process(target=run_engine_core, name=name, daemon=True,
