@@ -22,7 +22,7 @@ from pagellm.distributed.config import get_pp_indices
 from pagellm.distributed.group import RankInfo
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.loader import WeightShard
+from pagellm.model.loader import WeightShard, materialize
 from pagellm.model.quantized import GROUP_SIZE, GroupQuantWeight, Linear
 
 VOCAB_PADDING = 64
@@ -103,8 +103,7 @@ class ShardLayout(WeightShard):
                     warnings.simplefilter("ignore", UserWarning)
                     net.lm_head = Linear(local.hidden_size, 0, bias=False)
                 net.lm_head.dense_released = True  # loads nothing, is never called
-        net = net.to(dtype=dtype).to_empty(device=device)
-        return net.eval().requires_grad_(False)
+        return materialize(net, dtype, device).eval().requires_grad_(False)
 
     def describe(self) -> str:
         """This rank's share, for its start-up line."""

@@ -297,8 +297,23 @@ def instantiate(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> L
                    MoeForCausalLM if arch.num_experts else LlamaForCausalLM)
     with torch.device("meta"):
         net = model_class(arch)
-    net = net.to(dtype=dtype).to_empty(device=device)
-    return net.eval().requires_grad_(False)
+    return materialize(net, dtype, device).eval().requires_grad_(False)
+
+
+def materialize(net: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`net.to(dtype).to_empty(device)` without their meta-tensor path, whose first use
+    imports sympy (a second of start-up): every floating parameter and buffer becomes an
+    uninitialized tensor of `dtype`, the others keep their type."""
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        kind = dtype if tensor.is_floating_point() else tensor.dtype
+        return torch.empty(tensor.shape, dtype=kind, device=device)
+
+    for module in net.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=False)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = empty(buffer)
+    return net
 
 
 def safetensors_weights(folder: Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,7 +25,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.logger import init_logger
 from pagellm.model.bert import BertModel, read_bert_config
 from pagellm.model.errors import reading
-from pagellm.model.loader import load_model, resolve_model_path, safetensors_weights
+from pagellm.model.loader import (load_model, materialize, resolve_model_path,
+                                  safetensors_weights)
 from pagellm.platform import default_device, dtype_name, resolve_dtype
 from pagellm.pooling.config import PoolerConfig, is_encoder_model, read_pooler_config
 from pagellm.pooling.runner import DecoderRunner, EncoderRunner
@@ -98,7 +99,7 @@ class PoolingEngine:
             config = read_bert_config(self.path)
         with torch.device("meta"):
             model = BertModel(config)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device).eval()
+        model = materialize(model, self.dtype, self.device).eval()
         with reading(self.path, "the weights do not fit the model"):
             model.load_weights(safetensors_weights(self.path))
         self.weight_bytes = model.weight_bytes()
