@@ -14,11 +14,13 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from tiny_mistral import build_tiny_hf_mistral, write_native, write_small_tekken
 from transformers import AutoModelForCausalLM
 
+from pagellm.detokenizer import IncrementalDetokenizer
 from pagellm.entrypoints.openai.tool_parsers.json_calls import MistralToolParser
 from pagellm.mistral.formats import ModelFormats
 from pagellm.mistral.tokenizer import MistralCommonTokenizer
 from pagellm.mistral.weights import to_half_split, to_interleaved
 from pagellm.model.loader import load_model
+from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import apply_chat_template
 from test_models import PagedCache, greedy_decode, reference_greedy, reference_last_logits
 
@@ -117,10 +119,37 @@ def test_tool_call_round_trips_through_mistral_format(version: str, tmp_path: Pa
     text = tokenizer.decode(ids)
     assert "[TOOL_CALLS]" in text and "Soleil" in text
     assert "[TOOL_CALLS]" not in tokenizer.decode(ids, skip_special_tokens=True)
-    answer = text[text.index("[TOOL_CALLS]"):text.index("</s>")]
+    # the engine's streaming detokenizer, one token at a time, as a reply is generated
+    start = ids.index(tokenizer.convert_tokens_to_ids("[TOOL_CALLS]"))
+    end = ids.index(tokenizer.eos_token_id, start)
+    detokenizer = IncrementalDetokenizer(tokenizer, ids[:start],
+                                         SamplingParams(skip_special_tokens=False))
+    for token_id in ids[start:end]:
+        detokenizer.update([token_id])
+    answer = detokenizer.get_text(final=True)
+    assert answer == text[text.index("[TOOL_CALLS]"):text.index("</s>")]
     parsed = MistralToolParser().parse(answer, final=True).calls
     assert [(c.name, json.loads(c.arguments)) for c in parsed] == [("get_weather",
                                                                    {"city": "Paris"})]
+
+
+def test_grammars_build_on_mistral_common_token_bytes(tmp_path: Path) -> None:
+    """Both structured-output backends accept the tokenizer; a JSON grammar allows the
+    token of "{" first and never a control token."""
+    from pagellm.structured_outputs.guidance_backend import GuidanceBackend
+    from pagellm.structured_outputs.params import (StructuredOutputsConfig,
+                                                   StructuredOutputsParams)
+    from pagellm.structured_outputs.xgrammar_backend import XGrammarBackend
+
+    tokenizer = MistralCommonTokenizer(write_small_tekken(tmp_path / "tekken.json"))
+    [brace] = tokenizer.encode("{", add_special_tokens=False)
+    for backend in (XGrammarBackend, GuidanceBackend):
+        grammar = backend(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+                          StructuredOutputsConfig()).compile(
+            StructuredOutputsParams(json={"type": "object"}))
+        allowed = allowed_tokens(grammar, len(tokenizer))
+        assert brace in allowed, backend.name
+        assert not allowed & tokenizer.special_ids, backend.name
 
 
 def test_fields_mistral_common_cannot_honour_are_refused(tmp_path: Path) -> None:
@@ -132,3 +161,13 @@ def test_fields_mistral_common_cannot_honour_are_refused(tmp_path: Path) -> None
         apply_chat_template(tokenizer, messages, None, enable_thinking=True)
     with pytest.raises(ValueError, match="add_generation_prompt=false"):
         apply_chat_template(tokenizer, messages, None, add_generation_prompt=False)
+
+
+def allowed_tokens(grammar, vocab_size: int) -> set[int]:
+    """The ids a fresh matcher of `grammar` allows first."""
+    from pagellm.structured_outputs.backend import bitmask_width
+
+    bitmask = torch.zeros(1, bitmask_width(vocab_size), dtype=torch.int32)
+    grammar.matcher().fill_bitmask(bitmask, 0)
+    words = bitmask[0].tolist()
+    return {i for i in range(vocab_size) if (words[i // 32] >> (i % 32)) & 1}

@@ -17,7 +17,7 @@ _GIB = 1 << 30
 _HELP = {
     "model": "local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder, if not the model's own",
-    "tokenizer_mode": "auto, hf, slow or mistral: mistral tokenizes and encodes chats with "
+    "tokenizer_mode": "auto, hf or mistral (vLLM's slow is refused): mistral tokenizes and encodes chats with "
                       "mistral-common (tekken.json or tokenizer.model.v*); auto: mistral for a "
                       "folder in Mistral's format that has one, the HF tokenizer otherwise",
     "config_format": "auto, hf or mistral: read config.json or Mistral's params.json (auto: "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TOKENIZER_MODES = ("auto", "hf", "slow", "mistral")
+TOKENIZER_MODES = ("auto", "hf", "mistral")
 CONFIG_FORMATS = ("auto", "hf", "mistral")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "mistral")
 PARAMS_FILE = "params.json"
@@ -25,6 +25,9 @@ class ModelFormats:
     load_format: str = "auto"
 
     def validate(self) -> None:
+        if self.tokenizer_mode == "slow":
+            raise ValueError("tokenizer_mode 'slow' is not supported: pagellm decodes through "
+                             "fast (tokenizers-backed) tokenizers; use auto or hf.")
         for name, value, choices in (("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES),
                                      ("config_format", self.config_format, CONFIG_FORMATS),
                                      ("load_format", self.load_format, LOAD_FORMATS)):

@@ -75,6 +75,16 @@ class MistralCommonTokenizer:
         """As mistral-common encodes a prompt: BOS first with special tokens, no EOS."""
         return self.raw.encode(text, bos=add_special_tokens, eos=False)
 
+    def __call__(self, texts: list[str], add_special_tokens: bool = True,
+                 truncation: bool = False, max_length: int | None = None
+                 ) -> dict[str, list[list[int]]]:
+        """Batch encoding as an HF tokenizer returns it (the embedding routes'); truncation
+        keeps the first `max_length` tokens, BOS included."""
+        ids = [self.encode(text, add_special_tokens) for text in texts]
+        if truncation and max_length is not None:
+            ids = [row[:max_length] for row in ids]
+        return {"input_ids": ids}
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Runs of ordinary tokens decoded by the tokenizer; control tokens as their text
         (`[TOOL_CALLS]`) unless skipped."""
