@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagellm.model.errors import model_file_error
+
 TOKENIZER_MODES = ("auto", "hf", "mistral")
 CONFIG_FORMATS = ("auto", "hf", "mistral")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "mistral")
@@ -45,6 +47,11 @@ class ModelFormats:
         if load == "auto":
             load = ("gguf" if path.suffix == ".gguf" else
                     "mistral" if config == "mistral" else "safetensors")
+        if path.suffix == ".gguf" and (load, config) != ("gguf", "hf"):
+            raise model_file_error(path, f"a .gguf file has its own config and weights, not "
+                                         f"load_format {load!r} / config_format {config!r}")
+        if load == "gguf" and path.suffix != ".gguf":
+            raise model_file_error(path, "load_format 'gguf' needs a .gguf file")
         mode = self.tokenizer_mode
         if mode == "auto":
             mode = "mistral" if config == "mistral" and mistral_tokenizer_file(path) else "hf"

@@ -152,8 +152,6 @@ def load_folder_model(path: Path, formats: ModelFormats, dtype: torch.dtype,
                       ) -> tuple[ArchConfig, LlamaForCausalLM]:
     """A folder's config (config.json or params.json) and safetensors weights (HF's or
     Mistral's consolidated ones)."""
-    if formats.load_format == "gguf":
-        raise model_file_error(path, "load_format 'gguf' needs a .gguf file")
     if formats.config_format == "mistral":
         arch = read_params(path)
     else:
