@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagellm.mistral.formats import ModelFormats
 
 _GIB = 1 << 30
 _CPU_KV_ENV_VARS = ("PAGELLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
@@ -28,6 +32,15 @@ class ModelConfig:
     gguf_int8_activations: bool = True
     # a request's logits do not depend on the rest of its step (GGUF models on CPU)
     batch_invariant: bool = True
+    # vLLM's --tokenizer-mode, --config-format and --load-format (pagellm.mistral.formats)
+    tokenizer_mode: str = "auto"
+    config_format: str = "auto"
+    load_format: str = "auto"
+
+    def formats(self) -> "ModelFormats":
+        from pagellm.mistral.formats import ModelFormats
+
+        return ModelFormats(self.tokenizer_mode, self.config_format, self.load_format)
 
     def int8_activations(self) -> bool:
         return self.gguf_int8_activations and self.dtype not in ("float32", "float")

@@ -27,6 +27,22 @@ def load_tokenizer(path: Path, tokenizer_override: str | None = None) -> PreTrai
     return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
 
 
+def load_mistral_tokenizer(source: Path) -> Any:
+    """mistral-common's tokenizer (pagellm.mistral.tokenizer) from `tekken.json` or
+    `tokenizer.model.v*` in `source` (or that file itself)."""
+    from pagellm.mistral.formats import mistral_tokenizer_file
+    from pagellm.model.errors import model_file_error, reading
+
+    file = mistral_tokenizer_file(source)
+    if file is None:
+        raise model_file_error(source, "tokenizer_mode 'mistral' needs tekken.json or "
+                                       "tokenizer.model.v* (mistral-common's files)")
+    with reading(file, "mistral-common cannot load this tokenizer"):
+        from pagellm.mistral.tokenizer import MistralCommonTokenizer
+
+        return MistralCommonTokenizer(file)
+
+
 def load_gguf_tokenizer(source: Path) -> PreTrainedTokenizerBase:
     """transformers rebuilds the tokenizer from the GGUF metadata, which reads the whole
     vocabulary field by field: 5 s for SmolLM2's 49,152 tokens, paid by every server start
@@ -131,6 +147,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
     Templates usually write the BOS text themselves, so the rendered text is encoded without
     special tokens; BOS is prepended only if the tokenizer adds one and the template did not.
     """
+    render = getattr(tokenizer, "render_chat", None)
+    if render is not None:  # a tokenizer with its own conversation format (mistral-common's)
+        return render(messages, chat_template, add_generation_prompt, **template_kwargs)
     if chat_template is None:
         raise ValueError("This model has no chat template; pass one explicitly.")
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,

@@ -24,6 +24,10 @@ CASES = [
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
                 '{"name": "ping", "arguments": {}}]', "", [("add", {"a": 1, "b": 2}),
                                                            ("ping", {})]),
+    # mistral-common's v11+ format: a name, [ARGS], its arguments, once a call
+    ("mistral", 'Je regarde.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "q": "a}b"}'
+                '[TOOL_CALLS]ping[ARGS]{}', "Je regarde.",
+     [("get_weather", {"city": "Paris", "q": "a}b"}), ("ping", {})]),
     ("llama3_json", '{"name": "search", "parameters": {"q": "cats"}}; '
                     '{"name": "noop", "parameters": {}}', "",
      [("search", {"q": "cats"}), ("noop", {})]),

@@ -82,7 +82,8 @@ def load_rank_model(config: ModelConfig, dtype: torch.dtype, group: ParallelGrou
 
     loaded = load_model(config.model, dtype, torch.device("cpu"), config.tokenizer,
                         config.gguf_quantized_max_tokens, config.int8_activations(),
-                        config.batch_invariant, shard_for=shard_for)
+                        config.batch_invariant, shard_for=shard_for,
+                        formats=config.formats())
     loaded.model = ParallelCausalLM(loaded.model, layouts[0], group)
     logger.info("Rank %d holds %s", group.info.rank, layouts[0].describe())
     return loaded, layouts[0]

@@ -9,6 +9,7 @@ from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig, parse_kv_t
 from pagellm.distributed.config import PARALLEL_FIELDS, ParallelArgs
 from pagellm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from pagellm.lora.config import LoRAConfig
+from pagellm.mistral.formats import ModelFormats
 from pagellm.structured_outputs.params import StructuredOutputsConfig
 
 _GIB = 1 << 30
@@ -16,6 +17,14 @@ _GIB = 1 << 30
 _HELP = {
     "model": "local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder, if not the model's own",
+    "tokenizer_mode": "auto, hf or mistral (vLLM's slow is refused): mistral tokenizes and encodes chats with "
+                      "mistral-common (tekken.json or tokenizer.model.v*); auto: mistral for a "
+                      "folder in Mistral's format that has one, the HF tokenizer otherwise",
+    "config_format": "auto, hf or mistral: read config.json or Mistral's params.json (auto: "
+                     "config.json where there is one, else params.json)",
+    "load_format": "auto, safetensors, gguf or mistral: mistral reads consolidated*.safetensors "
+                   "with Mistral's tensor names (auto: mistral with --config-format mistral, "
+                   "else the file's own)",
     "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 where the hardware has it)",
     "max_model_len": "context length (prompt + output); default: the model's",
     "seed": "seed of the engine's random generator",
@@ -97,6 +106,9 @@ class EngineArgs(ParallelArgs):
 
     model: str | None = None
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    config_format: str = "auto"
+    load_format: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
@@ -145,7 +157,14 @@ class EngineArgs(ParallelArgs):
             raise ValueError("gguf_quantized_max_tokens chooses a form by step size, which "
                              "batch invariance rules out: set batch_invariant=False "
                              "(--no-batch-invariant) with it.")
+        formats = ModelFormats(self.tokenizer_mode, self.config_format, self.load_format)
+        formats.validate()
+        if self.tokenizer_mode == "mistral" and self.chat_template is not None:
+            raise ValueError("chat_template is not supported with tokenizer_mode 'mistral': "
+                             "mistral-common encodes conversations in Mistral's own format.")
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                           tokenizer_mode=self.tokenizer_mode,
+                           config_format=self.config_format, load_format=self.load_format,
                            max_model_len=self.max_model_len, seed=self.seed,
                            chat_template=self.chat_template,
                            served_model_name=self.served_model_name,

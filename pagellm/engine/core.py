@@ -110,7 +110,7 @@ class EngineCore:
             return self.executor.load(config, self.dtype, kv_cache_dtype, block_size)
         return load_model(config.model, self.dtype, self.device, config.tokenizer,
                           config.gguf_quantized_max_tokens, config.int8_activations(),
-                          config.batch_invariant)
+                          config.batch_invariant, formats=config.formats())
 
     def _make_spec_decoder(self, config: SpeculativeConfig, model_config: ModelConfig,
                            kv_cache_dtype: torch.dtype) -> SpecDecoder:

@@ -30,7 +30,11 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.moe import MoeForCausalLM
 from pagellm.model.packaged import packaged_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
-from pagellm.tokenizer import eos_token_ids, find_chat_template, load_tokenizer, tokenizer_source
+from pagellm.mistral.formats import ModelFormats, is_mistral_folder
+from pagellm.mistral.params import read_params
+from pagellm.mistral.weights import consolidated_files, mistral_weights
+from pagellm.tokenizer import (eos_token_ids, find_chat_template, load_mistral_tokenizer,
+                               load_tokenizer, tokenizer_source)
 
 logger = init_logger(__name__)
 
@@ -97,13 +101,13 @@ def resolve_model_path(model: str | None) -> Path:
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
         return path
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir() and ((path / "config.json").is_file() or is_mistral_folder(path)):
         return path
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return ggufs[0]
-    raise model_file_error(path, "neither a .gguf file nor a folder with config.json (or a "
-                                 "single .gguf file)")
+    raise model_file_error(path, "neither a .gguf file nor a folder with config.json, "
+                                 "params.json + consolidated.safetensors or a single .gguf file")
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
@@ -111,7 +115,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                gguf_quantized_max_tokens: int | None = 0,
                gguf_int8_activations: bool = False,
                batch_invariant: bool = False,
-               shard_for: Callable[[ArchConfig], WeightShard] | None = None) -> LoadedModel:
+               shard_for: Callable[[ArchConfig], WeightShard] | None = None,
+               formats: ModelFormats | None = None) -> LoadedModel:
     """`gguf_quantized_max_tokens`: steps of at most this many tokens multiply a GGUF's
     quantized matrices as stored; None measures where that stops paying (under int8
     activations, where the int8 path wins at every size, those get no float weights), 0
@@ -120,8 +125,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     `batch_invariant` (with `gguf_quantized_max_tokens` None): every step multiplies one
     form, measured nothing (see attach_batch_invariant).
     `shard_for`: this rank's part of the model, for the checkpoint's architecture (a parallel
-    engine's rank; no prepared-weights cache)."""
+    engine's rank; no prepared-weights cache).
+    `formats`: vLLM's tokenizer mode, config and load formats (pagellm.mistral.formats)."""
     path = resolve_model_path(model)
+    formats = (formats or ModelFormats()).resolved(path)
     start = time.perf_counter()
     invariant = batch_invariant and gguf_quantized_max_tokens is None
     if path.suffix == ".gguf" and invariant and shard_for is None:
@@ -133,24 +140,45 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                                   gguf_int8_activations, invariant,
                                   shard_for(arch) if shard_for else None)
     else:
-        config = path / "config.json"
-        with reading(config, "not a usable model config"):
-            arch = arch_from_hf_config(json.loads(config.read_text()))
-        shard = shard_for(arch) if shard_for else WeightShard()
-        net = shard.instantiate(arch, dtype, device)
-        with reading(path, "the weights do not fit the model"):
-            net.load_weights(shard.dense(safetensors_weights(path, shard.sliced)))
-        pack_if_supported(net, dtype, device)
+        arch, net = load_folder_model(path, formats, dtype, device, shard_for)
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
-    return with_tokenizer(net, arch, path, tokenizer, seconds)
+    return with_tokenizer(net, arch, path, tokenizer, seconds, formats.tokenizer_mode)
+
+
+def load_folder_model(path: Path, formats: ModelFormats, dtype: torch.dtype,
+                      device: torch.device, shard_for: Callable[[ArchConfig], WeightShard] | None
+                      ) -> tuple[ArchConfig, LlamaForCausalLM]:
+    """A folder's config (config.json or params.json) and safetensors weights (HF's or
+    Mistral's consolidated ones)."""
+    if formats.config_format == "mistral":
+        arch = read_params(path)
+    else:
+        config = path / "config.json"
+        with reading(config, "not a usable model config"):
+            arch = arch_from_hf_config(json.loads(config.read_text()))
+    shard = shard_for(arch) if shard_for else WeightShard()
+    net = shard.instantiate(arch, dtype, device)
+    if formats.load_format == "mistral":
+        files = consolidated_files(path)
+        with reading(files[0] if len(files) == 1 else path, "the weights do not fit the model"):
+            net.load_weights(shard.dense(mistral_weights(path, arch)))
+    else:
+        with reading(path, "the weights do not fit the model"):
+            net.load_weights(shard.dense(safetensors_weights(path, shard.sliced)))
+    pack_if_supported(net, dtype, device)
+    return arch, net
 
 
 def with_tokenizer(net: LlamaForCausalLM, arch: ArchConfig, path: Path, tokenizer: str | None,
-                   seconds: float) -> LoadedModel:
+                   seconds: float, tokenizer_mode: str = "hf") -> LoadedModel:
     """The loaded model paired with its tokenizer, chat template and EOS ids."""
     source = tokenizer_source(path, tokenizer)
+    if tokenizer_mode == "mistral":
+        tok = load_mistral_tokenizer(source)
+        return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=None, path=path,
+                           weights_seconds=seconds, eos_token_ids=[tok.eos_token_id])
     with reading(source, "the tokenizer does not load"):
         tok = load_tokenizer(path, tokenizer)
         chat_template = find_chat_template(source, tok)

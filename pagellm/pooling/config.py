@@ -44,8 +44,9 @@ def _read_json(path: Path) -> Any:
 
 
 def is_encoder_model(path: Path) -> bool:
-    """A Hugging Face folder of a BERT-family encoder."""
-    return path.is_dir() and is_bert_config(_read_json(path / "config.json"))
+    """A Hugging Face folder of a BERT-family encoder (a folder without config.json, as one
+    in Mistral's format, is not)."""
+    return (path / "config.json").is_file() and is_bert_config(_read_json(path / "config.json"))
 
 
 def resolve_runner(path: Path, runner: str, convert: str) -> str:

@@ -115,7 +115,8 @@ class PoolingEngine:
         logger.info("Loading %s in %s", self.path, dtype_name(self.dtype))
         loaded = load_model(self.args.model, self.dtype, self.device, self.args.tokenizer,
                             self.args.gguf_quantized_max_tokens or 0,
-                            self.args.model_config().int8_activations())
+                            self.args.model_config().int8_activations(),
+                            formats=self.args.model_config().formats())
         self.weight_bytes = loaded.model.weight_bytes()
         self.tokenizer = loaded.tokenizer
         self.runner = DecoderRunner(loaded.model, loaded.arch, pooler, self.device, self.dtype)

@@ -62,15 +62,37 @@ def _grammar(params: StructuredOutputsParams, config: StructuredOutputsConfig) -
                                    params.grammar)
 
 
+class _ByteTokenizer:
+    """llguidance's view of a tokenizer that lists each token's bytes (mistral-common's,
+    pagellm.mistral.tokenizer) instead of being an HF fast tokenizer."""
+
+    def __init__(self, tokenizer: Any, eos_token_id: int | None) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = tokenizer.token_bytes()
+        self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_id: int | None
+                 ) -> llguidance.LLTokenizer:
+    if getattr(tokenizer, "token_bytes", None) is None:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(
+        _ByteTokenizer(tokenizer, eos_token_id)), n_vocab=vocab_size)
+
+
 class GuidanceBackend(GrammarBackend):
     name = "guidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
                  config: StructuredOutputsConfig) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids, config)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=stop_token_ids[0]
-                                                       if stop_token_ids else None)
+        self._tokenizer = ll_tokenizer(tokenizer, vocab_size,
+                                       stop_token_ids[0] if stop_token_ids else None)
 
     @staticmethod
     def validate(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> None:

@@ -55,14 +55,25 @@ def _grammar(params: StructuredOutputsParams, config: StructuredOutputsConfig) -
     return xgr.Grammar.from_lark(params.grammar)
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
+                   ) -> xgr.TokenizerInfo:
+    """From an HF tokenizer, or from the raw bytes of each token where the tokenizer lists
+    them (mistral-common's, pagellm.mistral.tokenizer)."""
+    token_bytes = getattr(tokenizer, "token_bytes", None)
+    if token_bytes is None:
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+    return xgr.TokenizerInfo(token_bytes(), xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=stop_token_ids)
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
                  config: StructuredOutputsConfig) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids, config)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=stop_token_ids)
+        info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
 
     @staticmethod

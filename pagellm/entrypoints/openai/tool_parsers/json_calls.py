@@ -146,10 +146,33 @@ class HermesToolParser(MarkerJsonToolParser):
 
 
 class MistralToolParser(MarkerJsonToolParser):
-    """`[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`."""
+    """`[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]` (mistral-common's tokenizers
+    up to v7), or `[TOOL_CALLS]f[ARGS]{...}` once a call (v11 and later, as Ministral 3's)."""
 
     marker = "[TOOL_CALLS]"
     keeps_special_tokens = True
+    _ARGS = "[ARGS]"
+
+    def parse(self, text: str, final: bool) -> ParseResult:
+        content, start = split_at_marker(text, self.marker, final)
+        if start is None or text[start:].lstrip(_WHITESPACE)[:1] in ("[", "{"):
+            return super().parse(text, final)
+        calls = []
+        for segment in text[start:].split(self.marker):
+            name, found, rest = segment.partition(self._ARGS)
+            if not found:
+                break  # the name is still being written
+            calls.append(ParsedCall(name.strip(_WHITESPACE), _object_text(rest, final)))
+        return ParseResult(content, calls)
+
+
+def _object_text(text: str, final: bool) -> str:
+    """The JSON object that `text` opens, as far as it goes."""
+    begin = _skip_whitespace(text, 0)
+    if begin >= len(text) or text[begin] != "{":
+        return "{}" if final else ""
+    end = scan_object(text, begin).end
+    return text[begin:end].rstrip(_WHITESPACE)
 
 
 class Llama3JsonToolParser(ToolParser):
