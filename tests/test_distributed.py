@@ -51,7 +51,7 @@ def _prompt_logits(llm: LLM, prompt: str) -> torch.Tensor:
     token_ids = llm.get_tokenizer()(prompt)["input_ids"]
     blocks = -(-len(token_ids) // runner.block_size)
     top = llm.engine.core.num_blocks
-    logits = runner.compute([StepChunk(token_ids, 0, list(range(top - blocks, top)), 1)])
+    logits = runner.compute([StepChunk(token_ids, 0, list(range(top - blocks, top)), 1)]).sampling
     assert logits is not None
     return logits.float()
 
