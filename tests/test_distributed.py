@@ -113,3 +113,20 @@ def test_preflight_fails_fast_on_a_dead_address(tiny_llama_dir: Path,
     message = str(error.value)
     assert "\n" not in message and "203.0.113.1" in message
     assert "VLLM_HOST_IP" in message and "GLOO_SOCKET_IFNAME" in message
+
+
+def test_prompt_logprobs_under_tensor_and_pipeline_parallelism(
+        tiny_model_factory: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
+    """Every rank joins each LM-head call of the scored rows (they are collective); chunks of
+    5 tokens split the prompts."""
+    model = tiny_model_factory("llama")
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    results = [[o.prompt_logprobs for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+               for llm in (make_llm(model, max_num_batched_tokens=5),
+                           make_llm(model, max_num_batched_tokens=5, tensor_parallel_size=2,
+                                    pipeline_parallel_size=2))]
+    for single, parallel in zip(*results):
+        assert len(parallel) == len(single) and parallel[0] is None
+        for ours, theirs in zip(parallel[1:], single[1:]):
+            assert ours.keys() == theirs.keys()
+            assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-5 for t in ours)

@@ -17,7 +17,9 @@ import torch
 from pagellm.sample.metadata import LogprobMetadata
 from pagellm.sample.sampler import TokenLogprobs, compute_logprobs
 
-ROWS_PER_CALL = 256  # LM-head rows per call: 256 x 49152 float32 logits are 48 MiB
+# LM-head rows per call (24 MiB of float32 logits over SmolLM2's 49152 tokens, 77 MiB over a
+# 150k vocabulary); a constant, so that every rank of a parallel group makes the same calls
+ROWS_PER_CALL = 128
 
 
 def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor | None],

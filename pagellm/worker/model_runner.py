@@ -63,12 +63,10 @@ def _chunk_tokens(item: ScheduledRequest) -> list[int]:
 def _step_chunk(item: ScheduledRequest) -> StepChunk:
     request = item.request
     reused = min(max(0, request.num_kv_reused_tokens - item.start), item.num_tokens)
-    if not item.num_scored:
-        return StepChunk(_chunk_tokens(item), item.start, request.block_ids, item.num_samples,
-                         item.num_draft_tokens, reused)
+    top = request.sampling_params.prompt_logprobs or 0
     return StepChunk(_chunk_tokens(item), item.start, request.block_ids, item.num_samples,
-                     item.num_draft_tokens, reused, item.score_start - item.start,
-                     tuple(item.score_targets), request.sampling_params.prompt_logprobs or 0)
+                     item.num_draft_tokens, reused, max(0, item.score_start - item.start),
+                     tuple(item.score_targets), top if item.num_scored else 0)
 
 
 def step_chunks(step: SchedulerOutput) -> list[StepChunk]:
