@@ -115,15 +115,15 @@ def test_preflight_fails_fast_on_a_dead_address(tiny_llama_dir: Path,
     assert "VLLM_HOST_IP" in message and "GLOO_SOCKET_IFNAME" in message
 
 
-def test_prompt_logprobs_under_tensor_and_pipeline_parallelism(
+def test_prompt_logprobs_under_pipeline_parallelism(
         tiny_model_factory: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
-    """Every rank joins each LM-head call of the scored rows (they are collective); chunks of
-    5 tokens split the prompts."""
+    """Every rank joins each LM-head call of the scored rows (the last stage sends their
+    logits to rank 0); chunks of 5 tokens split the prompts."""
     model = tiny_model_factory("llama")
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
     results = [[o.prompt_logprobs for o in llm.generate(PROMPTS, params, use_tqdm=False)]
                for llm in (make_llm(model, max_num_batched_tokens=5),
-                           make_llm(model, max_num_batched_tokens=5, tensor_parallel_size=2,
+                           make_llm(model, max_num_batched_tokens=5,
                                     pipeline_parallel_size=2))]
     for single, parallel in zip(*results):
         assert len(parallel) == len(single) and parallel[0] is None
