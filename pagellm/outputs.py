@@ -13,6 +13,9 @@ class Logprob:
 
 
 SampleLogprobs = list[dict[int, Logprob]]
+# one entry per prompt token: None for the first (nothing scores it), then the prompt
+# token's logprob and the top-k, as vLLM shapes them
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -48,3 +51,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -12,6 +12,7 @@ from pagellm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagellm.lora.manager import LoadedLoRA
     from pagellm.lora.request import LoRARequest
+    from pagellm.sample.sampler import TokenLogprobs
     from pagellm.spec_decode.draft import Draft
     from pagellm.structured_outputs.manager import RequestGrammar
 
@@ -76,6 +77,12 @@ class Request:
     draft: "Draft | None" = None  # speculative decoding: tokens proposed for the next step
     lora_request: "LoRARequest | None" = None  # the adapter asked for; None: the base model
     lora: "LoadedLoRA | None" = None  # set by the engine core: that adapter's weights
+    # prompt logprobs: entries for prompt tokens 1.. (position p's logits score token p + 1),
+    # kept across preemption so that a recompute neither repeats nor loses one
+    prompt_logprobs: "list[TokenLogprobs]" = field(default_factory=list)
+    # leading tokens whose KV sits in shared prefix-cache blocks this request computes again
+    # for their prompt logprobs: the runner must not write those slots (see KVCacheManager)
+    num_kv_reused_tokens: int = 0
 
     @property
     def lora_key(self) -> int:
@@ -103,6 +110,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def first_unscored_position(self) -> int:
+        """The first prompt position whose logits prompt logprobs still need; the last
+        prompt position (whose logits sample) when none is owed or none was asked for."""
+        if self.sampling_params.prompt_logprobs is None or self.parent_id is not None:
+            return self.num_prompt_tokens - 1
+        return len(self.prompt_logprobs)
 
     @property
     def num_output_tokens(self) -> int:

@@ -36,6 +36,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt token (and the token itself)
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -74,6 +75,9 @@ class SamplingParams:
              f"got {self.min_tokens}."),
             (self.logprobs is None or 0 <= self.logprobs <= _MAX_TOP_LOGPROBS,
              f"logprobs must be between 0 and {_MAX_TOP_LOGPROBS}, got {self.logprobs}."),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {_MAX_TOP_LOGPROBS}, "
+             f"got {self.prompt_logprobs}."),
             (all(s for s in self.stop), "stop strings must not be empty."),
             (not (self.ignore_eos and self.structured_outputs),
              "ignore_eos cannot be combined with structured outputs: the output would go on "

@@ -51,7 +51,7 @@ def _prompt_logits(llm: LLM, prompt: str) -> torch.Tensor:
     token_ids = llm.get_tokenizer()(prompt)["input_ids"]
     blocks = -(-len(token_ids) // runner.block_size)
     top = llm.engine.core.num_blocks
-    logits = runner.compute([StepChunk(token_ids, 0, list(range(top - blocks, top)), 1)])
+    logits = runner.compute([StepChunk(token_ids, 0, list(range(top - blocks, top)), 1)]).sampling
     assert logits is not None
     return logits.float()
 
@@ -113,3 +113,20 @@ def test_preflight_fails_fast_on_a_dead_address(tiny_llama_dir: Path,
     message = str(error.value)
     assert "\n" not in message and "203.0.113.1" in message
     assert "VLLM_HOST_IP" in message and "GLOO_SOCKET_IFNAME" in message
+
+
+def test_prompt_logprobs_under_pipeline_parallelism(
+        tiny_model_factory: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
+    """Every rank joins each LM-head call of the scored rows (the last stage sends their
+    logits to rank 0); chunks of 5 tokens split the prompts."""
+    model = tiny_model_factory("llama")
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    results = [[o.prompt_logprobs for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+               for llm in (make_llm(model, max_num_batched_tokens=5),
+                           make_llm(model, max_num_batched_tokens=5,
+                                    pipeline_parallel_size=2))]
+    for single, parallel in zip(*results):
+        assert len(parallel) == len(single) and parallel[0] is None
+        for ours, theirs in zip(parallel[1:], single[1:]):
+            assert ours.keys() == theirs.keys()
+            assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-5 for t in ours)

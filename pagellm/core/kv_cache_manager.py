@@ -7,6 +7,17 @@ the same name never reuses KV computed with its old weights). A new request star
 from the longest run of cached blocks matching its tokens, but always computes at
 least its last token, whose logits it needs.
 
+A request asking for prompt logprobs needs the logits of every prompt position, which
+come from hidden states that no cache keeps. vLLM therefore skips the cache for such
+requests; here a hit still counts: the request shares the cached blocks (it takes no
+fresh blocks for them, evicts nothing for them, and its KV for those positions is the
+cached one), but its compute resumes at the first position it has not scored
+(`resume_position`), and the runner recomputes the hit positions without writing their
+slots (`Request.num_kv_reused_tokens`), so that a shared block is never rewritten. The
+step's forward then attends the very keys a cache-off run writes (the default path is
+batch-invariant), so prompt logprobs are identical with caching on and off. The cost is
+the recompute of the hit positions, which vLLM pays too, less the blocks it takes.
+
 With a second tier (`OffloadPool`), a cached block evicted from the first
 tier is stored there first, a prefix that left the first tier is loaded back
 into fresh blocks, and a preempted request can be swapped out and in. The
@@ -87,6 +98,15 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
+    def resume_position(self, request: Request, num_hits: int = 0) -> int:
+        """The position the request's compute starts at after `num_hits` prefix-hit blocks:
+        past them, or at its first unscored prompt position when it owes prompt logprobs."""
+        start = request.num_computed_tokens + num_hits * self.block_size
+        unscored = request.first_unscored_position
+        if unscored < request.num_prompt_tokens - 1:
+            start = min(start, unscored)
+        return start
+
     def record_prefix_lookup(self, request: Request, computed_blocks: list[int]) -> None:
         if self.enable_caching:
             self.prefix_queries += request.num_tokens
@@ -98,9 +118,9 @@ class KVCacheManager:
         """Fresh tier-1 blocks for `num_new_tokens` more tokens, for the loads of offloaded
         prefix blocks and, for a swapped-out request, for the blocks it brings back."""
         num_hits = len(computed_blocks) + len(offloaded_blocks)
-        num_computed = request.num_computed_tokens + num_hits * self.block_size
-        total = cdiv(num_computed + num_new_tokens, self.block_size)
-        return max(0, total - len(request.block_ids) - len(computed_blocks))
+        num_known = request.num_computed_tokens + num_hits * self.block_size
+        end = max(num_known, self.resume_position(request, num_hits) + num_new_tokens)
+        return max(0, cdiv(end, self.block_size) - len(request.block_ids) - len(computed_blocks))
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      computed_blocks: Sequence[int] = (),
@@ -128,6 +148,10 @@ class KVCacheManager:
             self.offload.hold(offloaded_blocks)
             self._load_into_new_blocks(request, offloaded_blocks)
             request.num_computed_tokens += len(offloaded_blocks) * self.block_size
+        resume = self.resume_position(request)
+        if resume < request.num_computed_tokens:  # hits it scores: KV reused, not rewritten
+            request.num_kv_reused_tokens = request.num_computed_tokens
+            request.num_computed_tokens = resume
         new_blocks = self._get_new_blocks(self.num_blocks_needed(request, num_new_tokens))
         request.block_ids.extend(new_blocks)
         self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
@@ -176,6 +200,7 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(request.block_ids))
         request.block_ids = []
         request.num_cached_blocks = 0
+        request.num_kv_reused_tokens = 0
         if request.swapped_block_ids:
             self.offload.release(request.swapped_block_ids)
             request.swapped_block_ids = []

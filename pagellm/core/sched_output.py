@@ -18,13 +18,16 @@ if TYPE_CHECKING:
 class ScheduledRequest:
     """`num_tokens` of `request` from position `start` run this step; fixed when scheduled.
     The last `num_draft_tokens` of them are the first tokens of `request.draft` (speculative
-    decoding), each verified by a sample of its own."""
+    decoding), each verified by a sample of its own. With prompt logprobs, the logits of the
+    `num_scored` positions from `score_start` score the prompt token after each."""
 
     request: Request
     num_tokens: int
     start: int
     num_samples: int
     num_draft_tokens: int = 0
+    score_start: int = 0
+    num_scored: int = 0
 
     @classmethod
     def for_chunk(cls, request: Request, num_tokens: int,
@@ -36,7 +39,19 @@ class ScheduledRequest:
         forks = (request.sampling_params.n > 1 and request.parent_id is None
                  and request.num_output_tokens == 0)
         num_samples = (request.sampling_params.n if forks else 1) if samples else 0
-        return cls(request, num_tokens, start, num_samples, num_draft_tokens)
+        last_prompt = request.num_prompt_tokens - 1
+        unscored = request.first_unscored_position
+        assert unscored >= min(start, last_prompt), "a chunk skips positions still to score"
+        score_start = max(start, unscored)
+        num_scored = max(0, min(start + num_tokens, last_prompt) - score_start)
+        return cls(request, num_tokens, start, num_samples, num_draft_tokens,
+                   score_start if num_scored else 0, num_scored)
+
+    @property
+    def score_targets(self) -> list[int]:
+        """The prompt tokens the scored positions' logits score (each position's next)."""
+        first = self.score_start + 1
+        return self.request.prompt_token_ids[first:first + self.num_scored]
 
     @property
     def samples(self) -> bool:
@@ -102,6 +117,8 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     transfers: KVTransferStats = field(default_factory=KVTransferStats)
+    # per request id, the prompt logprobs of this step's scored positions, in order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +132,8 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with a request's first token: its prompt logprobs, for prompt tokens 1.. (0 has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

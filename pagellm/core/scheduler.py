@@ -148,8 +148,7 @@ class Scheduler:
                 break
             computed = self.kv.get_computed_blocks(request)
             offloaded = self.kv.get_offloaded_blocks(request, len(computed))
-            num_hits = len(computed) + len(offloaded)
-            num_computed = request.num_computed_tokens + num_hits * self.kv.block_size
+            num_computed = self.kv.resume_position(request, len(computed) + len(offloaded))
             num_tokens = min(request.num_tokens - num_computed, budget)
             if not self.kv.can_allocate(request, num_tokens, computed, offloaded):
                 break
@@ -182,6 +181,8 @@ class Scheduler:
         for item in scheduled.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
+            if item.num_scored:
+                request.prompt_logprobs.extend(runner_output.prompt_logprobs[request.request_id])
             sampled = runner_output.sampled.get(request.request_id)
             if not sampled:
                 continue
@@ -208,7 +209,12 @@ class Scheduler:
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        logprobs: list[TokenLogprobs | None]) -> RequestUpdate:
-        """Append in order until one finishes the request; the tokens after it are dropped."""
+        """Append in order until one finishes the request; the tokens after it are dropped.
+        The first token's update carries the prompt logprobs, complete by then."""
+        prompt_logprobs = None
+        if (request.num_output_tokens == 0 and request.parent_id is None
+                and request.sampling_params.prompt_logprobs is not None):
+            prompt_logprobs = list(request.prompt_logprobs)
         appended = 0
         for token_id in token_ids:
             request.append_output_token(token_id)
@@ -223,7 +229,7 @@ class Scheduler:
         self._step_generation_tokens += appended
         return RequestUpdate(request.request_id, request.parent_id, request.index,
                              token_ids[:appended], logprobs[:appended],
-                             request.status.finish_reason, request.stop_reason)
+                             request.status.finish_reason, request.stop_reason, prompt_logprobs)
 
     def _fork_child(self, parent: Request, index: int, token_id: int,
                     logprob: TokenLogprobs | None) -> RequestUpdate:

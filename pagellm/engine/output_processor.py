@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pagellm.core.sched_output import RequestUpdate
 from pagellm.detokenizer import IncrementalDetokenizer
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
-from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagellm.sample.sampler import TokenLogprobs
 from pagellm.sampling_params import OutputKind, SamplingParams
 
@@ -36,6 +36,8 @@ class RequestState:
     kind: OutputKind
     sequences: list[_Sequence]
     metrics: RequestMetrics
+    prompt_logprobs: PromptLogprobs | None = None  # once the first token came
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once, in the first
 
     @property
     def finished(self) -> bool:
@@ -87,6 +89,9 @@ class OutputProcessor:
                 continue
             with self._failing_alone(state.request_id, failed):
                 sequence = state.sequences[update.index]
+                if update.prompt_logprobs is not None:
+                    state.prompt_logprobs = [None] + [self._to_logprob_dict(entry)
+                                                      for entry in update.prompt_logprobs]
                 if self._apply(sequence, update):
                     stopped.append(update.request_id)
                 stats.num_generation_tokens += len(update.new_token_ids)
@@ -178,8 +183,13 @@ class OutputProcessor:
     def _make_output(self, state: RequestState, sequences: list[_Sequence],
                      delta: bool = False) -> RequestOutput:
         completions = [self._completion(state, seq, delta) for seq in sequences]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        state.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished=state.finished, metrics=state.metrics)
+                             finished=state.finished, metrics=state.metrics,
+                             prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _completion(state: RequestState, sequence: _Sequence, delta: bool) -> CompletionOutput:

@@ -76,6 +76,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     groups: list[AttentionGroup]
     num_tokens: int
+    # the tokens whose K/V is written, where some are not (positions recomputed for prompt
+    # logprobs whose K/V is already in shared prefix-cache blocks); slot_mapping is theirs
+    kv_write_rows: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -86,6 +89,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     batch_invariant: bool = False,
+    kv_write_rows: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Group the step's requests; `seq_lens` count the tokens known after this step."""
     query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
@@ -102,7 +106,7 @@ def build_attention_metadata(
     for group in groups:
         group.prefill_kernel = one_group
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups,
-                             num_tokens=int(sum(query_lens)))
+                             num_tokens=int(sum(query_lens)), kv_write_rows=kv_write_rows)
 
 
 def _build_group(
@@ -198,7 +202,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> [T, H * D]; with a `window` (sliding-window
     layers), each query sees only its last `window` keys."""
-    write_kv(kv_cache, key, value, metadata.slot_mapping)
+    rows = metadata.kv_write_rows
+    if rows is None:
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
+    elif rows.numel():
+        write_kv(kv_cache, key[rows], value[rows], metadata.slot_mapping)
     if len(metadata.groups) == 1 and metadata.groups[0].all_tokens_in_order:
         return _attend_group(query, kv_cache, metadata.groups[0], scale, window)
     num_tokens, num_heads, head_dim = query.shape

@@ -29,7 +29,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
-from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
+from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
+from pagellm.sample.prompt_logprobs import score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class StepChunk:
     block_ids: list[int]
     num_samples: int
     num_draft_tokens: int = 0  # each draft position is sampled (verified) too
+    num_kv_reused: int = 0  # leading tokens whose K/V is in shared cached blocks: not written
+    score_offset: int = 0  # the first of its tokens whose logits score the next prompt token
+    score_targets: tuple[int, ...] = ()  # those next prompt tokens, one per scored token
+    num_prompt_logprobs: int = 0  # the top-k of each scored token
 
 
 def _chunk_tokens(item: ScheduledRequest) -> list[int]:
@@ -55,10 +60,17 @@ def _chunk_tokens(item: ScheduledRequest) -> list[int]:
     return known + request.draft.token_ids[:drafts] if drafts else known
 
 
+def _step_chunk(item: ScheduledRequest) -> StepChunk:
+    request = item.request
+    reused = min(max(0, request.num_kv_reused_tokens - item.start), item.num_tokens)
+    top = request.sampling_params.prompt_logprobs or 0
+    return StepChunk(_chunk_tokens(item), item.start, request.block_ids, item.num_samples,
+                     item.num_draft_tokens, reused, max(0, item.score_start - item.start),
+                     tuple(item.score_targets), top if item.num_scored else 0)
+
+
 def step_chunks(step: SchedulerOutput) -> list[StepChunk]:
-    return [StepChunk(_chunk_tokens(item), item.start, item.request.block_ids,
-                      item.num_samples, item.num_draft_tokens)
-            for item in step.scheduled]
+    return [_step_chunk(item) for item in step.scheduled]
 
 
 @dataclass
@@ -69,6 +81,19 @@ class StepInputs:
     output_rows: torch.Tensor  # the last token of each item that samples
     # for each sample, its row of output_rows; None when each item samples once
     sample_rows: torch.Tensor | None
+    num_sampling_rows: int = 0  # output_rows past these are scored for prompt logprobs
+    score_targets: torch.Tensor | None = None  # the prompt token each scored row scores
+    score_top: list[int] | None = None  # the top-k of each scored row
+
+
+@dataclass
+class StepLogits:
+    """What a step's forward yields: the sampling rows' logits (a row per sample) and the
+    prompt logprobs of the scored rows, in chunk order; None where there are none (or, under
+    parallelism, on a rank that does not sample)."""
+
+    sampling: torch.Tensor | None = None
+    prompt: list[TokenLogprobs] | None = None
 
 
 class ModelRunner:
@@ -234,25 +259,62 @@ class ModelRunner:
                     sample_rows.extend([len(output_rows)] * chunk.num_samples)
                     output_rows.append(row)
         device = self.device
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
-        metadata = build_attention_metadata(query_lens, seq_lens,
-                                            [chunk.block_ids for chunk in chunks],
-                                            slot_mapping, self.block_size, device,
-                                            self.batch_invariant)
+        num_sampling_rows = len(output_rows)
+        score_targets, score_top = self._score_rows(chunks, query_lens, output_rows)
+        slot_mapping = np.concatenate(slots)
+        write_rows = self._kv_write_rows(chunks, query_lens)
+        if write_rows is not None:
+            slot_mapping = slot_mapping[write_rows]
+        metadata = build_attention_metadata(
+            query_lens, seq_lens, [chunk.block_ids for chunk in chunks],
+            torch.from_numpy(slot_mapping).to(device), self.block_size, device,
+            self.batch_invariant,
+            None if write_rows is None else torch.from_numpy(write_rows).to(device))
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
             metadata=metadata,
             output_rows=torch.tensor(output_rows, dtype=torch.long, device=device),
-            sample_rows=(None if len(sample_rows) == len(output_rows) else
-                         torch.tensor(sample_rows, dtype=torch.long, device=device)))
+            sample_rows=(None if len(sample_rows) == num_sampling_rows else
+                         torch.tensor(sample_rows, dtype=torch.long, device=device)),
+            num_sampling_rows=num_sampling_rows,
+            score_targets=(torch.tensor(score_targets, dtype=torch.long, device=device)
+                           if score_targets else None),
+            score_top=score_top)
+
+    @staticmethod
+    def _score_rows(chunks: list[StepChunk], query_lens: list[int],
+                    output_rows: list[int]) -> tuple[list[int], list[int]]:
+        """Append the rows scored for prompt logprobs to `output_rows`, after the sampling
+        rows; -> the prompt token each scores and its top-k."""
+        targets: list[int] = []
+        tops: list[int] = []
+        first = 0
+        for chunk, count in zip(chunks, query_lens):
+            if chunk.score_targets:
+                begin = first + chunk.score_offset
+                output_rows.extend(range(begin, begin + len(chunk.score_targets)))
+                targets.extend(chunk.score_targets)
+                tops.extend([chunk.num_prompt_logprobs] * len(chunk.score_targets))
+            first += count
+        return targets, tops
+
+    @staticmethod
+    def _kv_write_rows(chunks: list[StepChunk], query_lens: list[int]) -> np.ndarray | None:
+        """The tokens whose K/V the step writes; None when it writes all of them."""
+        if not any(chunk.num_kv_reused for chunk in chunks):
+            return None
+        rows = []
+        first = 0
+        for chunk, count in zip(chunks, query_lens):
+            rows.append(np.arange(first + chunk.num_kv_reused, first + count, dtype=np.int64))
+            first += count
+        return np.concatenate(rows)
 
     @torch.inference_mode()
-    def compute(self, chunks: list[StepChunk],
-                lora_slots: np.ndarray | None = None) -> torch.Tensor | None:
-        """The logits of the step's sampling rows (a row per sample), None if none samples
-        (or, under parallelism, on a rank that does not sample). `lora_slots`: each token's
-        adapter slot, with --enable-lora."""
+    def compute(self, chunks: list[StepChunk], lora_slots: np.ndarray | None = None) -> StepLogits:
+        """Run the step's forward. `lora_slots`: each token's adapter slot, with --enable-lora.
+        Every rank makes the same LM-head calls: under parallelism they are collective."""
         inputs = self.prepare_inputs(chunks)
         if lora_slots is not None:
             self.lora.set_step(lora_slots, inputs.output_rows)
@@ -262,12 +324,17 @@ class ModelRunner:
         finally:
             if lora_slots is not None:
                 self.lora.end_step()
-        if inputs.output_rows.numel() == 0:
-            return None
-        logits = self.model.compute_logits(hidden)
-        if logits is not None and inputs.sample_rows is not None:
-            logits = logits[inputs.sample_rows]  # n > 1: the samples of one item share logits
-        return logits
+        result = StepLogits()
+        num_sampling = inputs.num_sampling_rows
+        if num_sampling:
+            logits = self.model.compute_logits(hidden[:num_sampling])
+            if logits is not None and inputs.sample_rows is not None:
+                logits = logits[inputs.sample_rows]  # n > 1: the samples of one item share logits
+            result.sampling = logits
+        if inputs.score_targets is not None:
+            result.prompt = score_prompt_rows(self.model.compute_logits, hidden[num_sampling:],
+                                              inputs.score_targets, inputs.score_top or [])
+        return result
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -278,7 +345,10 @@ class ModelRunner:
         if self.lora is not None:  # each item's adapter slot, then each token's
             slots = self.lora.activate([s.request.lora for s in step.scheduled])
             lora_slots = np.repeat(slots, [s.num_tokens for s in step.scheduled])
-        logits = self.compute(step_chunks(step), lora_slots)
+        computed = self.compute(step_chunks(step), lora_slots)
+        if computed.prompt is not None:
+            self._hand_out_prompt_logprobs(step, computed.prompt, output)
+        logits = computed.sampling
         if logits is None:
             return output
         rows, owners = self._sampling_rows(step)
@@ -290,6 +360,16 @@ class ModelRunner:
         if step.has_drafts:
             verify_drafts(step, output, logits, metadata, self.generator)
         return output
+
+    @staticmethod
+    def _hand_out_prompt_logprobs(step: SchedulerOutput, scored: list[TokenLogprobs],
+                                  output: ModelRunnerOutput) -> None:
+        first = 0
+        for item in step.scheduled:
+            if item.num_scored:
+                output.prompt_logprobs[item.request.request_id] = scored[first:first
+                                                                         + item.num_scored]
+                first += item.num_scored
 
     @staticmethod
     def _sampling_rows(step: SchedulerOutput) -> tuple[list[SamplingRow], list[str]]:

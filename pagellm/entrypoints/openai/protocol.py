@@ -145,6 +145,7 @@ class SamplingRequest(OpenAIRequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: the top-k of every prompt token, and itself
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, legacy guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -183,6 +184,10 @@ class SamplingRequest(OpenAIRequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling_params(self, max_tokens: int, logprobs: int | None,
                            structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ValueError (a 400 for the client) on values SamplingParams rejects."""
@@ -194,7 +199,8 @@ class SamplingRequest(OpenAIRequestModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, logit_bias=self._int_logit_bias(),
+            logprobs=logprobs, prompt_logprobs=self.num_prompt_logprobs,
+            logit_bias=self._int_logit_bias(),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
@@ -216,6 +222,18 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` scores the prompt too, with as many alternatives (vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt is scored, nothing is generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class FunctionDefinition(OpenAIRequestModel):

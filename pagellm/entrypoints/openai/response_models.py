@@ -19,12 +19,23 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: null for the first prompt token, then token id -> its entry
+PromptLogprobsBody = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -107,6 +118,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -138,3 +150,12 @@ class ChatCompletionChunk(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None  # in the first chunk that has them
+
+    @model_serializer(mode="wrap")
+    def _skip_absent_prompt_logprobs(self, handler: SerializerFunctionWrapHandler
+                                     ) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("prompt_logprobs") is None:
+            body.pop("prompt_logprobs", None)
+        return body

@@ -20,7 +20,8 @@ from pagellm.entrypoints.openai.response_models import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionLogProbs, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
 from pagellm.entrypoints.openai.reasoning import reasoning_parser
-from pagellm.entrypoints.openai.serving_engine import Job, OpenAIServing, token_logprobs
+from pagellm.entrypoints.openai.serving_engine import (Job, OpenAIServing, prompt_logprobs_body,
+                                                       token_logprobs)
 from pagellm.entrypoints.openai.structured import requested_constraint, tool_choice_constraint
 from pagellm.entrypoints.openai.tool_parsers import ToolParserManager, parser_for_template
 from pagellm.entrypoints.openai.tool_parsers.core import ToolParser
@@ -150,7 +151,8 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=result.stop_reason))
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=self.usage(jobs, sum(len(r.token_ids)
-                                                                 for r in results)))
+                                                                 for r in results)),
+                                      prompt_logprobs=prompt_logprobs_body(job.prompt_logprobs))
 
     @staticmethod
     def _message(output: ChoiceOutput) -> ChatMessage:
@@ -180,6 +182,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices.append(ChatCompletionStreamChoice(
                     index=completion.index, delta=message, logprobs=logprobs,
                     finish_reason=finish_reason, stop_reason=completion.stop_reason))
-        if not choices:
+        if not choices and output.prompt_logprobs is None:
             return None
-        return ChatCompletionChunk(id=request_id, model=model, choices=choices)
+        return ChatCompletionChunk(id=request_id, model=model, choices=choices,
+                                   prompt_logprobs=prompt_logprobs_body(output.prompt_logprobs))

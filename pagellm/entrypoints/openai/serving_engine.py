@@ -24,7 +24,8 @@ from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingReques
 from pagellm.entrypoints.openai.structured import resolve_constraint
 from pagellm.logger import init_logger
 from pagellm.lora.request import LoRARequest
-from pagellm.outputs import Logprob, RequestOutput
+from pagellm.entrypoints.openai.response_models import PromptLogprob, PromptLogprobsBody
+from pagellm.outputs import Logprob, PromptLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs.backend import backend_class
 from pagellm.structured_outputs.params import StructuredOutputsParams
@@ -43,6 +44,9 @@ class Job:
     prompt: ProcessedPrompt
     params: SamplingParams
     lora_request: LoRARequest | None = None  # the adapter `model` names
+    prompt_logprobs: PromptLogprobs | None = None  # from its first output, once collected
+    scores_only: bool = False  # completions' echo with max_tokens 0: its one token is dropped
+    first_token_text: str = ""  # echo with logprobs: the prompt's first token, unscored
 
 
 @dataclass
@@ -82,6 +86,20 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logpro
         top = [(e.decoded_token or "", e.logprob) for e in ranked[:num_top]]
         result.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob, top))
     return result
+
+
+# the logprob JSON carries for a token the float32 softmax underflowed for (vLLM's value)
+LOWEST_LOGPROB = -9999.0
+
+
+def prompt_logprobs_body(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsBody | None:
+    if prompt_logprobs is None:
+        return None
+    return [None if entries is None else
+            {token_id: PromptLogprob(logprob=max(entry.logprob, LOWEST_LOGPROB), rank=entry.rank,
+                                     decoded_token=entry.decoded_token)
+             for token_id, entry in entries.items()}
+            for entries in prompt_logprobs]
 
 
 def sse(chunk: BaseModel) -> str:
@@ -222,6 +240,8 @@ class OpenAIServing:
         results = [[SequenceResult() for _ in range(job.params.n)] for job in jobs]
         async with contextlib.aclosing(self.generate_jobs(jobs)) as outputs:
             async for job_index, output in outputs:
+                if output.prompt_logprobs is not None:
+                    jobs[job_index].prompt_logprobs = output.prompt_logprobs
                 for completion in output.outputs:
                     results[job_index][completion.index].add(
                         completion.text, completion.token_ids, completion.logprobs,
