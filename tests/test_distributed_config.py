@@ -48,7 +48,7 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
 
 @pytest.mark.parametrize("overrides, refused", [
     ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data parallelism combined"),
-    ({"distributed_executor_backend": "ray"}, "'ray'"),
+    ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray'"),
     ({"headless": True}, "--headless"),
     ({"nnodes": 2}, "multi-node without Ray"),
     ({"api_server_count": 4}, "api_server_count 4"),

@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism over torch.distributed (gloo on CPU).
+"""Tensor and pipeline parallelism over torch.distributed (gloo on CPU), its ranks started
+as processes on this machine or as Ray actors across a cluster.
 
 The engine core stays one process with one scheduler; `start_executor` gives it the ranks
 that run the model with it, or None for the single-process engine (world size 1), which
@@ -25,6 +26,10 @@ def start_executor(parallel: ParallelConfig | None, cache: CacheConfig,
     if cache.offload_bytes:
         raise ValueError("KV offloading with tensor or pipeline parallelism is not supported "
                          "by pagellm yet.")
+    if parallel.distributed_executor_backend == "ray":
+        from pagellm.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(parallel, device)
     from pagellm.distributed.executor import MultiprocExecutor  # torch.distributed: only here
 
     return MultiprocExecutor(parallel, device)

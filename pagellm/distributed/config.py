@@ -139,8 +139,6 @@ def _executor_backend(requested: str | None, world_size: int) -> str:
 def _refuse_unbuilt(args: ParallelArgs) -> None:
     """Flags whose feature is not built here yet: a clear error at start."""
     unbuilt = {
-        "distributed_executor_backend 'ray' (multi-node on Ray)":
-            args.distributed_executor_backend == "ray",
         "distributed_executor_backend 'external_launcher'":
             args.distributed_executor_backend == "external_launcher",
         "data parallelism combined with tensor or pipeline parallelism":

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 from multiprocessing.connection import Connection, deliver_challenge
 
 import torch
@@ -41,6 +42,19 @@ WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socke
 WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
 WORKER_RANK_ENV = "PAGELLM_WORKER_RANK"
 _WATCH_SECONDS = 0.5
+
+
+class WorkerProcess(Protocol):
+    """What the executor needs of a worker: a subprocess.Popen, or a Ray actor's handle."""
+
+    pid: int | None
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -100,7 +114,7 @@ class MultiprocExecutor:
         self.init_method = f"tcp://{rendezvous_host()}:{free_port()}"
         self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                              self.init_method)
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[WorkerProcess] = []
         self.conns: list[Connection] = []
         self.layout: ShardLayout | None = None
         # rank 0 pins the threads of the process it runs in: put them back at the end
@@ -125,20 +139,28 @@ class MultiprocExecutor:
     def _start_workers(self, config: ModelConfig, dtype: torch.dtype,
                        kv_cache_dtype: torch.dtype, block_size: int) -> None:
         authkey = secrets.token_bytes(32)
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            env = {**os.environ, WORKER_ADDRESS_ENV: "127.0.0.1:%d" % server.getsockname()[1],
-                   WORKER_AUTHKEY_ENV: authkey.hex()}
-            # c10d's C++ stack traces would bury the driver's one-line error
-            env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+        host = self.driver_host()
+        with socket.create_server((host, 0)) as server:
+            env = {WORKER_ADDRESS_ENV: "%s:%d" % (host, server.getsockname()[1]),
+                   WORKER_AUTHKEY_ENV: authkey.hex(),
+                   # c10d's C++ stack traces would bury the driver's one-line error
+                   "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
             for rank in range(1, self.info.world_size):
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "pagellm.distributed.worker"],
-                    env={**env, WORKER_RANK_ENV: str(rank)}))
+                self.processes.append(self.start_worker(rank, {**env, WORKER_RANK_ENV: str(rank)}))
             by_rank = self._accept(server, authkey)
         self.conns.extend(by_rank[rank] for rank in sorted(by_rank))
         for rank, conn in enumerate(self.conns, start=1):
             info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method)
             conn.send(WorkerInit(info, config, dtype, kv_cache_dtype, block_size))
+
+    def driver_host(self) -> str:
+        """Where the workers reach the driver: on one machine, loopback."""
+        return "127.0.0.1"
+
+    def start_worker(self, rank: int, env: dict[str, str]) -> "WorkerProcess":
+        """Rank `rank`'s process, told by `env` where the driver is."""
+        return subprocess.Popen([sys.executable, "-m", "pagellm.distributed.worker"],
+                                env={**os.environ, **env})
 
     def _accept(self, server: socket.socket, authkey: bytes) -> dict[int, Connection]:
         """Each worker connects, passes the challenge and says its rank."""
@@ -209,7 +231,7 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _stop_workers(conns: list[Connection], processes: list[subprocess.Popen],
+def _stop_workers(conns: list[Connection], processes: list["WorkerProcess"],
                   cores: set[int], threads: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -63,8 +63,15 @@ def _start(conn: Connection, init: WorkerInit) -> ModelRunner:
 
 
 def main() -> int:
+    """A worker process of the multiprocess executor."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops the driver, which stops us
+    return serve_rank()
+
+
+def serve_rank() -> int:
+    """Connect to the driver named by the environment and run its steps until it stops us
+    (a worker process's body, or a Ray actor's)."""
     conn = _connect()
     init = conn.recv()
     try:
