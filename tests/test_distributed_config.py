@@ -49,8 +49,8 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
 @pytest.mark.parametrize("overrides, refused", [
     ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data parallelism combined"),
     ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray'"),
-    ({"headless": True}, "--headless"),
-    ({"nnodes": 2}, "multi-node without Ray"),
+    ({"headless": True}, "--headless without --nnodes"),
+    ({"nnodes": 2, "data_parallel_size": 2}, "multi-node data parallelism"),
     ({"api_server_count": 4}, "api_server_count 4"),
     ({"data_parallel_rank": 0}, "data_parallel_rank"),
 ])

@@ -99,16 +99,25 @@ def _at_least_zero(value: str) -> int:
 
 @dataclass
 class ParallelConfig:
-    """What the engine runs with: world = tensor x pipeline processes, per data parallel rank."""
+    """What the engine runs with: world = tensor x pipeline processes, per data parallel rank;
+    with `nnodes` > 1, `world / nnodes` of them on each node, the driver's on node 0."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @classmethod
     def from_args(cls, args: ParallelArgs) -> "ParallelConfig":
@@ -118,9 +127,28 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(args, name)}.")
         _refuse_unbuilt(args)
         world = args.tensor_parallel_size * args.pipeline_parallel_size
+        _check_nodes(args, world)
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
                    args.data_parallel_size, _executor_backend(args.distributed_executor_backend,
-                                                              world))
+                                                              world),
+                   args.nnodes, args.node_rank, args.master_addr, args.master_port)
+
+
+def _check_nodes(args: ParallelArgs, world: int) -> None:
+    """Multi-node without Ray: the world splits evenly over the nodes; node 0 serves."""
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"node_rank {args.node_rank} must be below nnodes {args.nnodes}.")
+    if args.nnodes > 1 and world % args.nnodes:
+        raise ValueError(f"a world of {world} ranks (tensor x pipeline parallel size) does not "
+                         f"split evenly over nnodes {args.nnodes}.")
+    if args.nnodes > 1 and args.distributed_executor_backend not in (None, "mp"):
+        raise ValueError("--nnodes runs the mp executor; with Ray, start the nodes with "
+                         "`ray start` and use --distributed-executor-backend ray instead.")
+    if args.headless and args.node_rank == 0:
+        raise ValueError("--headless runs a secondary node's ranks (--node-rank 1 and up); "
+                         "node 0 runs the API server.")
+    if args.node_rank > 0 and not args.headless:
+        raise ValueError(f"node_rank {args.node_rank} runs only engine ranks: add --headless.")
 
 
 def _executor_backend(requested: str | None, world_size: int) -> str:
@@ -148,9 +176,9 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
             args.data_parallel_size_local is not None or args.data_parallel_start_rank != 0
             or args.data_parallel_rank is not None,
         "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
-        "headless engines (--headless)": args.headless,
+        "--headless without --nnodes": args.headless and args.nnodes == 1,
         f"api_server_count {args.api_server_count}": args.api_server_count > 1,
-        f"multi-node without Ray (nnodes {args.nnodes})": args.nnodes > 1 or args.node_rank != 0,
+        "multi-node data parallelism": args.nnodes > 1 and args.data_parallel_size > 1,
     }
     refused = [name for name, asked in unbuilt.items() if asked]
     if refused:

@@ -15,7 +15,6 @@ import os
 import secrets
 import socket
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -31,6 +30,8 @@ from pagellm.distributed.config import ParallelConfig, layer_partition
 from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
                                        join_timeout, pin_threads, rendezvous_host)
 from pagellm.distributed.model import ParallelCausalLM
+from pagellm.distributed.nodes import (node_authkey, node_ranks, start_worker_process,
+                                       worker_env)
 from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
@@ -38,9 +39,6 @@ from pagellm.model.loader import LoadedModel, load_model
 from pagellm.worker.model_runner import ModelRunner, StepChunk, StepInputs
 
 logger = init_logger(__name__)
-WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socket
-WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
-WORKER_RANK_ENV = "PAGELLM_WORKER_RANK"
 _WATCH_SECONDS = 0.5
 
 
@@ -111,9 +109,11 @@ class MultiprocExecutor:
             raise ValueError("tensor and pipeline parallelism run on CPU (gloo) here; CUDA "
                              "(NCCL) ranks are not supported by pagellm yet.")
         self.parallel = parallel
-        self.init_method = f"tcp://{rendezvous_host()}:{free_port()}"
+        multi_node = parallel.nnodes > 1
+        host = parallel.master_addr if multi_node else rendezvous_host()
+        self.init_method = f"tcp://{host}:{free_port()}"
         self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                             self.init_method)
+                             self.init_method, parallel.nnodes)
         self.processes: list[WorkerProcess] = []
         self.conns: list[Connection] = []
         self.layout: ShardLayout | None = None
@@ -125,11 +125,12 @@ class MultiprocExecutor:
              block_size: int) -> LoadedModel:
         """Start every rank, run the preflight, load each rank's shard (workers in parallel
         with the driver)."""
-        world = self.info.world_size
-        cores = pin_threads(0, world)
+        local = self.info.local_world_size
+        cores = pin_threads(0, local)
         logger.info("Starting %d worker processes for tensor parallel size %d x pipeline "
-                    "parallel size %d (backend gloo, rendezvous %s); rank 0 on cores %s",
-                    world - 1, self.info.tp_size, self.info.pp_size, self.init_method, cores)
+                    "parallel size %d (backend gloo, rendezvous %s, %d node(s)); rank 0 on "
+                    "cores %s", local - 1, self.info.tp_size, self.info.pp_size,
+                    self.init_method, self.info.nnodes, cores)
         self._start_workers(config, dtype, kv_cache_dtype, block_size)
         group = init_rank(self.info)
         loaded, self.layout = load_rank_model(config, dtype, group)
@@ -138,19 +139,20 @@ class MultiprocExecutor:
 
     def _start_workers(self, config: ModelConfig, dtype: torch.dtype,
                        kv_cache_dtype: torch.dtype, block_size: int) -> None:
-        authkey = secrets.token_bytes(32)
-        host = self.driver_host()
-        with socket.create_server((host, 0)) as server:
-            env = {WORKER_ADDRESS_ENV: "%s:%d" % (host, server.getsockname()[1]),
-                   WORKER_AUTHKEY_ENV: authkey.hex(),
-                   # c10d's C++ stack traces would bury the driver's one-line error
-                   "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
-            for rank in range(1, self.info.world_size):
-                self.processes.append(self.start_worker(rank, {**env, WORKER_RANK_ENV: str(rank)}))
+        parallel = self.parallel
+        if parallel.nnodes > 1:  # the other nodes' ranks know where and how to join
+            host, port, authkey = parallel.master_addr, parallel.master_port, node_authkey(parallel)
+        else:
+            host, port, authkey = self.driver_host(), 0, secrets.token_bytes(32)
+        with socket.create_server((host, port)) as server:
+            address = "%s:%d" % (host, server.getsockname()[1])
+            for rank in node_ranks(parallel)[1:]:
+                self.processes.append(self.start_worker(rank, worker_env(address, authkey, rank)))
             by_rank = self._accept(server, authkey)
         self.conns.extend(by_rank[rank] for rank in sorted(by_rank))
         for rank, conn in enumerate(self.conns, start=1):
-            info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method)
+            info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method,
+                            self.info.nnodes)
             conn.send(WorkerInit(info, config, dtype, kv_cache_dtype, block_size))
 
     def driver_host(self) -> str:
@@ -159,12 +161,14 @@ class MultiprocExecutor:
 
     def start_worker(self, rank: int, env: dict[str, str]) -> "WorkerProcess":
         """Rank `rank`'s process, told by `env` where the driver is."""
-        return subprocess.Popen([sys.executable, "-m", "pagellm.distributed.worker"],
-                                env={**os.environ, **env})
+        return start_worker_process(env)
 
     def _accept(self, server: socket.socket, authkey: bytes) -> dict[int, Connection]:
         """Each worker connects, passes the challenge and says its rank."""
-        deadline = time.monotonic() + max(60.0, 3 * join_timeout())  # a cold import is slow
+        # a cold import is slow; other nodes may start after this one
+        single = self.info.nnodes == 1
+        wait = max(60.0, 3 * join_timeout()) if single else max(300.0, 15 * join_timeout())
+        deadline = time.monotonic() + wait
         by_rank: dict[int, Connection] = {}
         while len(by_rank) < self.info.world_size - 1:
             dead = [p.pid for p in self.processes if p.poll() is not None]

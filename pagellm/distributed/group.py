@@ -36,10 +36,19 @@ class RankInfo:
     tp_size: int
     pp_size: int
     init_method: str  # tcp://address:port of the rendezvous
+    nnodes: int = 1  # the ranks split evenly over the nodes, in order
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_world_size
 
     @property
     def tp_rank(self) -> int:

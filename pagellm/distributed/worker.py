@@ -11,14 +11,16 @@ import os
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import Connection, answer_challenge
 
 import torch
 
-from pagellm.distributed.executor import (WORKER_ADDRESS_ENV, WORKER_AUTHKEY_ENV,
-                                          WORKER_RANK_ENV, AllocateKVCache, StopWorker,
+from pagellm.distributed.executor import (AllocateKVCache, StopWorker,
                                           WorkerFailed, WorkerInit, WorkerReady, load_rank_model)
 from pagellm.distributed.group import PreflightError, init_rank, pin_threads
+from pagellm.distributed.nodes import (CONNECT_SECONDS_ENV, WORKER_ADDRESS_ENV,
+                                       WORKER_AUTHKEY_ENV, WORKER_RANK_ENV)
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.worker.model_runner import ModelRunner
@@ -36,8 +38,17 @@ def _die_with_parent() -> None:
 
 
 def _connect() -> Connection:
+    """The driver's socket; a headless node may start before the head node listens."""
     host, _, port = os.environ[WORKER_ADDRESS_ENV].rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    deadline = time.monotonic() + float(os.environ.get(CONNECT_SECONDS_ENV, "300"))
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
     sock.settimeout(None)
     conn = Connection(sock.detach())
     answer_challenge(conn, bytes.fromhex(os.environ[WORKER_AUTHKEY_ENV]))
@@ -47,7 +58,7 @@ def _connect() -> Connection:
 
 def _start(conn: Connection, init: WorkerInit) -> ModelRunner:
     info = init.info
-    pin_threads(info.rank, info.world_size)
+    pin_threads(info.local_rank, info.local_world_size)  # this node's cores
     cpu_kernels_available()
     group = init_rank(info)
     loaded, layout = load_rank_model(init.model_config, init.dtype, group)

@@ -322,6 +322,10 @@ def fork_engine_core_if_safe() -> None:
 
 def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
+    if settings.engine_args.headless:  # a secondary node: engine ranks, no API server
+        from pagellm.distributed.nodes import run_headless
+
+        raise SystemExit(run_headless(settings.engine_args.parallel_config()))
     fork_engine_core_if_safe()
     sock = bind_socket(settings.host, settings.port)
     try:
