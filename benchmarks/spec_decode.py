@@ -64,20 +64,21 @@ async def one(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: i
 
 async def rate(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> float:
     """Output tokens/s with `clients` streams at once working through `prompts`."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", timeout=600)
     queue = list(prompts)
     total = 0
 
-    async def worker() -> None:
+    async def worker(client: openai.AsyncOpenAI) -> None:
         nonlocal total
         while queue:
             tokens = await one(client, model, queue.pop(), max_tokens)
             total += tokens  # after the await: `total += await ...` would read total before it
 
-    await one(client, model, prompts[0], 4)  # warm-up
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    return total / (time.perf_counter() - start)
+    # closed inside this event loop (asyncio.run closes it after), not by the collector later
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", timeout=600) as client:
+        await one(client, model, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        return total / (time.perf_counter() - start)
 
 
 def serve(port: int, model: str | None, extra: list[str]) -> subprocess.Popen:
