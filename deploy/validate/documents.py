@@ -66,6 +66,8 @@ def _kserve_rule_errors(document: dict) -> list[str]:
         return kserve_rules.inference_graph_errors(document)
     if document["kind"] == "InferenceService":
         return kserve_rules.multinode_errors(document)
+    if document["kind"] in ("ServingRuntime", "ClusterServingRuntime"):
+        return kserve_rules.runtime_multinode_errors(document)
     return []
 
 

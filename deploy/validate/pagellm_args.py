@@ -4,7 +4,9 @@ A manifest passes here only if `pagellm serve` would start with the args it rend
 flags exist and their values parse and pass the engine's checks, the probes ask `/health` on
 the port the server listens on, and the model is a path the container can see (pagellm never
 downloads weights). The image's entrypoint is `pagellm serve --host 0.0.0.0 "$@"`
-(deploy/docker/entrypoint.sh), so a container without `command` gets those words first.
+(deploy/docker/entrypoint.sh), so a container without `command` gets those words first; a
+multi-node head that runs a shell script is read from its `pagellm serve` line
+(deploy/validate/shell_script.py) with the sizes the workerSpec makes KServe inject.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import io
 import re
 
+from deploy.validate import shell_script
 from pagellm.entrypoints.cli import build_parser
 from pagellm.engine.arg_utils import EngineArgs
 
@@ -51,35 +54,93 @@ def parse_serve_args(argv: list[str]) -> tuple[argparse.Namespace | None, str]:
     return namespace, ""
 
 
-def container_argv(container: dict, template_name: str = "model") -> list[str]:
+def container_argv(container: dict, template_name: str = "model",
+                   injected: dict[str, str] | None = None) -> list[str]:
     """The words after `pagellm` the container runs, with $(VAR) expanded as the kubelet
-    does and KServe's `{{.Name}}` filled in."""
+    does and KServe's `{{.Name}}` filled in; from its `pagellm serve` line when it runs a
+    shell script (`injected`: the env KServe adds to the pod). Raises ScriptError."""
     env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+    env.update(injected or {})
     words = [*container.get("command", []), *container.get("args", [])]
     words = [_VARIABLE.sub(lambda m: env.get(m[1], m[0]), word).replace("{{.Name}}",
                                                                          template_name)
              for word in words]
+    script = shell_script.shell_script(words)
+    if script is not None:
+        serve = shell_script.find_command(script[0], ("pagellm", "serve"))
+        if serve is None:
+            raise shell_script.ScriptError("its script has no `pagellm serve` line")
+        return shell_script.expand(serve, env, script[1])[1:]
     if not container.get("command"):
         return [*ENTRYPOINT, *words]
-    return words[1:] if words[0] == "pagellm" else words
+    if words[0] != "pagellm":
+        raise shell_script.ScriptError(f"command must start with pagellm, got {words[0]!r}")
+    return words[1:]
 
 
-def container_errors(container: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+def container_errors(container: dict, mounts: tuple[str, ...] = (),
+                     injected: dict[str, str] | None = None) -> list[str]:
     where = f"container {container.get('name')!r}"
-    argv = container_argv(container)
-    if container.get("command") and container["command"][0] != "pagellm":
-        return [f"{where}: command must start with pagellm, got {container['command'][0]!r}"]
+    try:
+        argv = container_argv(container, injected=injected)
+    except shell_script.ScriptError as error:
+        return [f"{where}: {error}"]
     namespace, error = parse_serve_args(argv)
     if namespace is None:
         return [f"{where}: {error} (args: {' '.join(argv)})"]
     if namespace.verb != "serve":
         return []
-    errors = _probe_errors(container, namespace.port)
+    errors = _probe_errors(container, namespace.port) + _multinode_errors(where, namespace,
+                                                                          injected or {})
     visible = mounts + tuple(m["mountPath"] for m in container.get("volumeMounts", []))
     if namespace.model and not any(namespace.model.startswith(path) for path in visible):
         errors.append(f"{where}: model {namespace.model!r} is under no volume mount "
                       "(pagellm loads local files only)")
     return errors
+
+
+def _multinode_errors(where: str, namespace: argparse.Namespace,
+                      injected: dict[str, str]) -> list[str]:
+    """A head must run the sizes the workerSpec gives, with its ranks on Ray."""
+    if not injected:
+        return []
+    errors = [f"{where}: --{flag.replace('_', '-')} {getattr(namespace, flag)} differs from "
+              f"workerSpec's {injected[variable]}: pass ${variable}"
+              for flag, variable in (("tensor_parallel_size", "TENSOR_PARALLEL_SIZE"),
+                                     ("pipeline_parallel_size", "PIPELINE_PARALLEL_SIZE"))
+              if str(getattr(namespace, flag)) != injected[variable]]
+    world = int(injected["TENSOR_PARALLEL_SIZE"]) * int(injected["PIPELINE_PARALLEL_SIZE"])
+    if world > 1 and namespace.distributed_executor_backend != "ray":
+        errors.append(f"{where}: the workerSpec spreads {world} ranks over nodes, which "
+                      "needs --distributed-executor-backend ray")
+    return errors
+
+
+def worker_errors(container: dict) -> list[str]:
+    """A Ray worker joins the head and blocks; it never serves by itself."""
+    where = f"worker container {container.get('name')!r}"
+    script = shell_script.shell_script([*container.get("command", []),
+                                        *container.get("args", [])])
+    if script is None:
+        return [f"{where}: must run a bash -c script that joins the Ray head"]
+    if shell_script.find_command(script[0], ("pagellm", "serve")) is not None:
+        return [f"{where}: runs pagellm serve; only the head serves"]
+    start = shell_script.find_command(script[0], ("ray", "start")) or []
+    if "--block" not in start or not any(w.startswith("--address") for w in start):
+        return [f"{where}: needs `ray start --address=HEAD:6379 --block`"]
+    return []
+
+
+def parallel_env(worker_spec: dict | None, override: dict | None = None) -> dict[str, str]:
+    """What KServe injects into a multi-node pod: the sizes (the InferenceService's over the
+    runtime's, 1 by default) and RAY_NODE_COUNT as the ray executor counts nodes (PP)."""
+    if worker_spec is None and override is None:
+        return {}
+    sizes = {**(worker_spec or {}), **(override or {})}
+    tensor = sizes.get("tensorParallelSize", 1)
+    pipeline = sizes.get("pipelineParallelSize", 1)
+    return {"TENSOR_PARALLEL_SIZE": str(tensor), "PIPELINE_PARALLEL_SIZE": str(pipeline),
+            "RAY_NODE_COUNT": str(pipeline)}
 
 
 def _probe_errors(container: dict, port: int) -> list[str]:
@@ -101,10 +162,20 @@ def _probe_errors(container: dict, port: int) -> list[str]:
     return errors
 
 
-def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = (),
+                    injected: dict[str, str] | None = None) -> list[str]:
     return [error for container in pod_spec.get("containers", [])
             if is_pagellm_image(container.get("image", ""))
-            for error in container_errors(container, mounts)]
+            for error in container_errors(container, mounts, injected)]
+
+
+def runtime_errors(spec: dict) -> list[str]:
+    """A runtime's head containers with the env its own workerSpec implies, and its workers."""
+    worker_spec = spec.get("workerSpec")
+    errors = pod_spec_errors(spec, (KSERVE_MODEL_DIR,), parallel_env(worker_spec))
+    return errors + [error for container in (worker_spec or {}).get("containers", [])
+                     if is_pagellm_image(container.get("image", ""))
+                     for error in worker_errors(container)]
 
 
 def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
@@ -116,7 +187,7 @@ def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
     if kind == "Pod":
         return pod_spec_errors(spec)
     if kind in _RUNTIME_KINDS:
-        return pod_spec_errors(spec, (KSERVE_MODEL_DIR,))
+        return runtime_errors(spec)
     if kind == "InferenceService":
         return _inference_service_errors(spec.get("predictor", {}), runtimes)
     return []
@@ -128,16 +199,18 @@ def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> lis
     runtime = runtimes.get(model.get("runtime", ""))
     if runtime is None:
         return []
-    if predictor.get("workerSpec") is not None:
-        return [f"runtime {model['runtime']!r} runs pagellm, which has no multi-node "
-                "executor: remove workerSpec"]
+    worker_spec = predictor.get("workerSpec")
+    if worker_spec is not None and runtime.get("workerSpec") is None:
+        return [f"runtime {model['runtime']!r} runs pagellm on one node: a workerSpec needs "
+                "a multi-node runtime such as pagellm-multinode"]
+    injected = parallel_env(runtime.get("workerSpec"), worker_spec)
     errors = []
     for container in runtime.get("containers", []):
         if not is_pagellm_image(container.get("image", "")):
             continue
         merged = {**container, "args": [*container.get("args", []), *model.get("args", [])],
                   "env": [*container.get("env", []), *model.get("env", [])]}
-        errors += container_errors(merged, (KSERVE_MODEL_DIR,))
+        errors += container_errors(merged, (KSERVE_MODEL_DIR,), injected)
     return errors
 
 
