@@ -4,9 +4,9 @@ A manifest passes here only if `pagellm serve` would start with the args it rend
 flags exist and their values parse and pass the engine's checks, the probes ask `/health` on
 the port the server listens on, and the model is a path the container can see (pagellm never
 downloads weights). The image's entrypoint is `pagellm serve --host 0.0.0.0 "$@"`
-(deploy/docker/entrypoint.sh), so a container without `command` gets those words first; a
-multi-node head that runs a shell script is read from its `pagellm serve` line
-(deploy/validate/shell_script.py) with the sizes the workerSpec makes KServe inject.
+(deploy/docker/entrypoint.sh), so a container without `command` gets those words first, and
+so does the multi-node head's `pagellm-ray-head` (deploy/docker/ray-head.sh), checked with
+the sizes the workerSpec makes KServe inject.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import contextlib
 import io
 import re
 
-from deploy.validate import shell_script
 from pagellm.entrypoints.cli import build_parser
 from pagellm.engine.arg_utils import EngineArgs
 
 ENTRYPOINT = ("serve", "--host", "0.0.0.0")
+# the multi-node images' scripts (deploy/docker/ray-*.sh): the head ends in the same words
+ENTRYPOINTS = {"pagellm-ray-head": ENTRYPOINT}
+WORKER_COMMAND = "pagellm-ray-worker"
 HEALTH_PATH = "/health"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts storageUri
 _PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
@@ -57,24 +59,21 @@ def parse_serve_args(argv: list[str]) -> tuple[argparse.Namespace | None, str]:
 def container_argv(container: dict, template_name: str = "model",
                    injected: dict[str, str] | None = None) -> list[str]:
     """The words after `pagellm` the container runs, with $(VAR) expanded as the kubelet
-    does and KServe's `{{.Name}}` filled in; from its `pagellm serve` line when it runs a
-    shell script (`injected`: the env KServe adds to the pod). Raises ScriptError."""
+    does (from its env and `injected`, what KServe adds) and KServe's `{{.Name}}` filled in.
+    Raises ValueError for a command that does not run pagellm."""
     env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
     env.update(injected or {})
     words = [*container.get("command", []), *container.get("args", [])]
     words = [_VARIABLE.sub(lambda m: env.get(m[1], m[0]), word).replace("{{.Name}}",
                                                                          template_name)
              for word in words]
-    script = shell_script.shell_script(words)
-    if script is not None:
-        serve = shell_script.find_command(script[0], ("pagellm", "serve"))
-        if serve is None:
-            raise shell_script.ScriptError("its script has no `pagellm serve` line")
-        return shell_script.expand(serve, env, script[1])[1:]
     if not container.get("command"):
         return [*ENTRYPOINT, *words]
+    if words[0] in ENTRYPOINTS:
+        return [*ENTRYPOINTS[words[0]], *words[1:]]
     if words[0] != "pagellm":
-        raise shell_script.ScriptError(f"command must start with pagellm, got {words[0]!r}")
+        raise ValueError(f"command must start with pagellm or {' or '.join(ENTRYPOINTS)}, "
+                         f"got {words[0]!r}")
     return words[1:]
 
 
@@ -83,7 +82,7 @@ def container_errors(container: dict, mounts: tuple[str, ...] = (),
     where = f"container {container.get('name')!r}"
     try:
         argv = container_argv(container, injected=injected)
-    except shell_script.ScriptError as error:
+    except ValueError as error:
         return [f"{where}: {error}"]
     namespace, error = parse_serve_args(argv)
     if namespace is None:
@@ -117,17 +116,11 @@ def _multinode_errors(where: str, namespace: argparse.Namespace,
 
 
 def worker_errors(container: dict) -> list[str]:
-    """A Ray worker joins the head and blocks; it never serves by itself."""
-    where = f"worker container {container.get('name')!r}"
-    script = shell_script.shell_script([*container.get("command", []),
-                                        *container.get("args", [])])
-    if script is None:
-        return [f"{where}: must run a bash -c script that joins the Ray head"]
-    if shell_script.find_command(script[0], ("pagellm", "serve")) is not None:
-        return [f"{where}: runs pagellm serve; only the head serves"]
-    start = shell_script.find_command(script[0], ("ray", "start")) or []
-    if "--block" not in start or not any(w.startswith("--address") for w in start):
-        return [f"{where}: needs `ray start --address=HEAD:6379 --block`"]
+    """A Ray worker joins the head and blocks (deploy/docker/ray-worker.sh); it never serves."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    if not any(WORKER_COMMAND in word for word in words):
+        return [f"worker container {container.get('name')!r}: must run {WORKER_COMMAND} "
+                "HEAD:PORT, which joins the Ray head"]
     return []
 
 
