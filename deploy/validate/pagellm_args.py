@@ -23,6 +23,7 @@ ENTRYPOINT = ("serve", "--host", "0.0.0.0")
 # the multi-node images' scripts (deploy/docker/ray-*.sh): the head ends in the same words
 ENTRYPOINTS = {"pagellm-ray-head": ENTRYPOINT}
 WORKER_COMMAND = "pagellm-ray-worker"
+_SIZE_ENV = ("TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE")
 HEALTH_PATH = "/health"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts storageUri
 _PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
@@ -183,7 +184,25 @@ def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
         return runtime_errors(spec)
     if kind == "InferenceService":
         return _inference_service_errors(spec.get("predictor", {}), runtimes)
+    if kind == "RayCluster":
+        return _ray_cluster_errors(spec)
     return []
+
+
+def _ray_cluster_errors(spec: dict) -> list[str]:
+    """The head serves with the sizes its env gives ray-head.sh; every worker joins it."""
+    errors = []
+    for container in spec.get("headGroupSpec", {}).get("template", {}).get("spec", {}).get(
+            "containers", []):
+        if is_pagellm_image(container.get("image", "")):
+            env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+            sizes = {key: env.get(key, "1") for key in _SIZE_ENV}
+            errors += container_errors(container, injected=sizes)
+    for group in spec.get("workerGroupSpecs", []):
+        errors += [error for container in group.get("template", {}).get("spec", {}).get(
+                   "containers", []) if is_pagellm_image(container.get("image", ""))
+                   for error in worker_errors(container)]
+    return errors
 
 
 def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> list[str]:
