@@ -115,8 +115,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
                      "unrecognized arguments: --max-model-length 4096"),
     "data parallel": ("kubernetes/pagellm-gpu.yaml", _data_parallel,
-                      "data_parallel_size_local / data_parallel_start_rank / data_parallel_rank is not "
-                      "supported"),
+                      "data_parallel_size_local / data_parallel_start_rank"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
                    "livenessProbe asks port 8080, pagellm listens on 8000"),
