@@ -35,7 +35,7 @@ def test_values_sets_cover_every_kind() -> None:
     assert checker.seen_kinds == {
         "Deployment", "Service", "PersistentVolumeClaim", "Secret", "HorizontalPodAutoscaler",
         "ServiceMonitor", "ServingRuntime", "ClusterServingRuntime", "InferenceService",
-        "InferenceGraph"}
+        "InferenceGraph", "RayCluster"}
     assert router_types == {"Sequence", "Switch", "Ensemble", "Splitter"}
 
 
@@ -84,9 +84,11 @@ def test_prefix_caching_off_renders_the_negative_flag() -> None:
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("servingEngineSpec.modelSpec[0].vllmConfig.tensorParallelSize=2", "value must be 1"),
-    ("servingEngineSpec.modelSpec[0].vllmConfig.pipelineParallelSize=2", "value must be 1"),
+    ("servingEngineSpec.modelSpec[0].vllmConfig.tensorParallelSize=0", "minimum: got 0, want 1"),
+    # production-stack's raySpec sits in a modelSpec, not beside it
     ("servingEngineSpec.raySpec.enabled=true", "'raySpec' not allowed"),
+    ("servingEngineSpec.modelSpec[0].raySpec.enabled=true", "missing property 'headNode'"),
+    ("servingEngineSpec.modelSpec[0].raySpec.headNode.requestGpu=1", "'requestGpu' not allowed"),
     ("servingEngineSpec.modelSpec[0].hf_token=x", "'hf_token' not allowed"),
     ("servingEngineSpec.modelSpec[0].modelURL=mistralai/Mistral-7B-v0.3",
      "pagellm never downloads weights"),
@@ -97,6 +99,72 @@ def test_values_pagellm_cannot_honour_are_refused(override: str, expected: str) 
     result = helm("template", "test", str(CHART), *base, "--set", override, check=False)
     assert result.returncode != 0
     assert expected in result.stderr, result.stderr
+
+
+RAY_VALUES = ["-f", str(CHART / "ci" / "ray-values.yaml")]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("vllmConfig.pipelineParallelSize=1", "needs more than one rank and a multiple of 2"),
+    ("replicaCount=2", "2 ranks over the head and 2 workers"),
+    ("hpa.enabled=true,servingEngineSpec.modelSpec[0].hpa.maxReplicas=3",
+     "a raySpec model runs on a RayCluster"),
+])
+def test_ray_layouts_pagellm_cannot_run_are_refused(override: str, expected: str) -> None:
+    result = helm("template", "test", str(CHART), *RAY_VALUES,
+                  "--set", f"servingEngineSpec.modelSpec[0].{override}", check=False)
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr
+
+
+def test_ray_spec_renders_a_ray_cluster_whose_head_serves_on_ray() -> None:
+    model = yaml.safe_load((CHART / "ci" / "ray-values.yaml").read_text())[
+        "servingEngineSpec"]["modelSpec"][0]
+    documents = render(*RAY_VALUES)
+    assert [d["kind"] for d in documents].count("Deployment") == 0
+    cluster = find(documents, "RayCluster")
+    head_pod = cluster["spec"]["headGroupSpec"]["template"]
+    head = head_pod["spec"]["containers"][0]
+    assert head["command"] == ["pagellm-ray-head"]
+    namespace, error = parse_serve_args(container_argv(head))
+    assert error == "", error
+    assert namespace.distributed_executor_backend == "ray"
+    assert namespace.pipeline_parallel_size == model["vllmConfig"]["pipelineParallelSize"]
+    assert head["resources"]["requests"]["cpu"] == str(model["raySpec"]["headNode"]["requestCPU"])
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    assert env["RAY_NODE_COUNT"] == str(model["replicaCount"] + 1)
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert group["replicas"] == model["replicaCount"]
+    worker = group["template"]["spec"]["containers"][0]
+    assert worker["command"] == ["pagellm-ray-worker",
+                                 f"{cluster['metadata']['name']}-head-svc:6379"]
+    # the engine Service reaches the head only
+    selector = find(documents, "Service")["spec"]["selector"]
+    assert selector.items() <= head_pod["metadata"]["labels"].items()
+    assert not selector.items() <= group["template"]["metadata"]["labels"].items()
+
+
+def _ray_head(documents: list[dict]) -> dict:
+    return find(documents, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"][
+        "containers"][0]
+
+
+@pytest.mark.parametrize("breaker, expected", [
+    (lambda d: find(d, "RayCluster")["spec"].update(workerGroupSpec=[]),
+     "'workerGroupSpec' was unexpected"),
+    (lambda d: find(d, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"][0].update(volumeMount=[]),
+     "spec.workerGroupSpecs.0.template.spec.containers.0: Additional properties"),
+    (lambda d: _ray_head(d)["args"].__setitem__(-3, "2"),
+     "--tensor-parallel-size 2 differs from workerSpec's 1"),
+    (lambda d: find(d, "RayCluster")["spec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"][0].update(command=["ray", "start"]), "must run pagellm-ray-worker"),
+])
+def test_broken_ray_cluster_is_rejected(breaker, expected: str) -> None:
+    documents = render(*RAY_VALUES)
+    breaker(documents)
+    errors = validator().errors(documents)
+    assert any(expected in error for error in errors), errors
 
 
 def test_broken_probe_values_are_caught_after_rendering() -> None:

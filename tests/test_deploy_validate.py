@@ -14,6 +14,8 @@ from deploy_utils import DEPLOY, find, load, validator
 
 MANIFESTS = sorted([*(DEPLOY / "kubernetes").glob("*.yaml"), *(DEPLOY / "kserve").glob("*.yaml")])
 KSERVE = DEPLOY / "kserve"
+RUNTIMES = [*load(KSERVE / "pagellm-runtime.yaml"),
+            *load(KSERVE / "pagellm-multinode-runtime.yaml")]
 
 
 def all_manifests() -> list[dict]:
@@ -23,7 +25,7 @@ def all_manifests() -> list[dict]:
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_is_valid(path: Path) -> None:
     # the runtime comes along so an InferenceService's args are checked merged into it
-    documents = load(path) + load(KSERVE / "pagellm-runtime.yaml")
+    documents = load(path) + RUNTIMES
     assert validator().errors(documents) == []
 
 
@@ -69,7 +71,9 @@ def _unknown_flag(docs: list[dict]) -> None:
 
 
 def _data_parallel(docs: list[dict]) -> None:
-    _pagellm_container(docs)["args"] += ["--data-parallel-size", "2"]
+    # data parallelism across nodes: one node runs -dp, a second one would need -dpl
+    _pagellm_container(docs)["args"] += ["--data-parallel-size", "2",
+                                         "--data-parallel-size-local", "1"]
 
 
 def _hub_model_id(docs: list[dict]) -> None:
@@ -111,7 +115,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
                      "unrecognized arguments: --max-model-length 4096"),
     "data parallel": ("kubernetes/pagellm-gpu.yaml", _data_parallel,
-                      "data parallelism (data_parallel_size 2) is not supported"),
+                      "data_parallel_size_local / data_parallel_start_rank"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
                    "livenessProbe asks port 8080, pagellm listens on 8000"),
@@ -119,7 +123,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
                    "readinessProbe path must be /health"),
     "isvc arg": ("kserve/inferenceservice.yaml", _isvc_bad_arg, "invalid int value: 'lots'"),
     "isvc multi-node": ("kserve/inferenceservice.yaml", _isvc_multinode,
-                        "has no multi-node executor"),
+                        "runs pagellm on one node: a workerSpec needs a multi-node runtime"),
 }
 
 

@@ -82,6 +82,44 @@ SERVICE_MONITOR_SCHEMA = _object({
 }, required=("apiVersion", "kind", "metadata", "spec"))
 
 
+_POD_TEMPLATE = {"type": "object"}  # checked as a core PodTemplate by documents.py
+_START_PARAMS = {"type": "object", "additionalProperties": {"type": "string"}}
+_COUNT = {"type": "integer", "minimum": 0}
+# The fields of KubeRay's RayCluster (ray.io/v1) that the chart renders, typed as KubeRay's
+# CRD types them; as for ServiceMonitor, no copy of that CRD lies beside the project.
+RAY_CLUSTER_SCHEMA = _object({
+    "apiVersion": {"const": "ray.io/v1"},
+    "kind": {"const": "RayCluster"},
+    "metadata": _METADATA,
+    "spec": _object({
+        "rayVersion": {"type": "string"},
+        "headGroupSpec": _object({
+            "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+            "rayStartParams": _START_PARAMS,
+            "template": _POD_TEMPLATE,
+        }, required=("template",)),
+        "workerGroupSpecs": {"type": "array", "items": _object({
+            "groupName": {"type": "string", "minLength": 1},
+            "replicas": _COUNT,
+            "minReplicas": _COUNT,
+            "maxReplicas": _COUNT,
+            "rayStartParams": _START_PARAMS,
+            "template": _POD_TEMPLATE,
+        }, required=("groupName", "template"))},
+    }, required=("headGroupSpec",)),
+}, required=("apiVersion", "kind", "metadata", "spec"))
+
+
+def ray_pod_templates(document: dict) -> dict[str, dict]:
+    """{path: pod template} of a RayCluster's head and worker groups."""
+    spec = document.get("spec", {})
+    templates = {"spec.headGroupSpec.template": spec.get("headGroupSpec", {}).get("template")}
+    for index, group in enumerate(spec.get("workerGroupSpecs", [])):
+        templates[f"spec.workerGroupSpecs.{index}.template"] = group.get("template")
+    return {path: template for path, template in templates.items() if template is not None}
+
+
 def other_validators() -> dict[tuple[str, str], Draft7Validator]:
     return {("monitoring.coreos.com/v1", "ServiceMonitor"):
-            Draft7Validator(SERVICE_MONITOR_SCHEMA)}
+            Draft7Validator(SERVICE_MONITOR_SCHEMA),
+            ("ray.io/v1", "RayCluster"): Draft7Validator(RAY_CLUSTER_SCHEMA)}

@@ -49,7 +49,9 @@ class Validator:
                     + _kserve_rule_errors(document))
         other = crd.other_validators().get(key)
         if other is not None:
-            return metadata_errors(document) + crd.schema_errors(other, document)
+            return (metadata_errors(document) + crd.schema_errors(other, document)
+                    + [error for path, template in crd.ray_pod_templates(document).items()
+                       for error in self._pod_template_errors(path, template)])
         try:
             kubernetes_validate.validate(document, self.kubernetes_version, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -57,7 +59,18 @@ class Validator:
             return [f"{path}: {error.message}"]
         except kubernetes_validate.SchemaNotFoundError:
             return [f"no schema for {key[0]} {key[1]}: this validator knows core kinds, "
-                    "KServe's and ServiceMonitor"]
+                    "KServe's, ServiceMonitor and RayCluster"]
+        return []
+
+    def _pod_template_errors(self, path: str, template: dict) -> list[str]:
+        """A CRD's embedded pod template, strictly, as the core PodTemplate kind holds one."""
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                   "template": template}
+        try:
+            kubernetes_validate.validate(wrapped, self.kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            inner = ".".join(str(p) for p in list(error.path)[1:])
+            return [f"{path}{'.' + inner if inner else ''}: {error.message}"]
         return []
 
 
@@ -66,6 +79,8 @@ def _kserve_rule_errors(document: dict) -> list[str]:
         return kserve_rules.inference_graph_errors(document)
     if document["kind"] == "InferenceService":
         return kserve_rules.multinode_errors(document)
+    if document["kind"] in ("ServingRuntime", "ClusterServingRuntime"):
+        return kserve_rules.runtime_multinode_errors(document)
     return []
 
 

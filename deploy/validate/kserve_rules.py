@@ -50,6 +50,26 @@ def _node_errors(node_name: str, node: dict, nodes: dict) -> list[str]:
     return errors
 
 
+def _parallel_env_errors(containers: list[dict]) -> list[str]:
+    return [f"env {env['name']} is not allowed: set workerSpec's "
+            "tensorParallelSize/pipelineParallelSize"
+            for container in containers for env in container.get("env", [])
+            if env.get("name") in _PARALLEL_ENV]
+
+
+def runtime_multinode_errors(runtime: dict) -> list[str]:
+    """The same rules on a multi-node runtime: every InferenceService on it would inherit a
+    second worker container or a parallel-size env, and be refused."""
+    spec = runtime.get("spec", {})
+    worker = spec.get("workerSpec")
+    if worker is None:
+        return []
+    errors = _parallel_env_errors([*spec.get("containers", []), *worker.get("containers", [])])
+    if len(worker.get("containers", [])) > 1:
+        errors.append("workerSpec: at most one worker container")
+    return errors
+
+
 def multinode_errors(service: dict) -> list[str]:
     """KServe's checks on an InferenceService whose predictor has a workerSpec."""
     predictor = service.get("spec", {}).get("predictor", {})
@@ -60,11 +80,8 @@ def multinode_errors(service: dict) -> list[str]:
     if len(worker.get("containers", [])) > 1:
         errors.append("workerSpec: at most one worker container")
     model = predictor.get("model", {})
-    for container in [model, *predictor.get("containers", []), *worker.get("containers", [])]:
-        for env in container.get("env", []):
-            if env.get("name") in _PARALLEL_ENV:
-                errors.append(f"env {env['name']} is not allowed: set workerSpec's "
-                              "tensorParallelSize/pipelineParallelSize")
+    errors += _parallel_env_errors([model, *predictor.get("containers", []),
+                                    *worker.get("containers", [])])
     uri = model.get("storageUri", "")
     if not uri.startswith(("pvc://", "oci://")):
         errors.append(f"multi-node storageUri must be pvc:// or oci://, got {uri!r}")

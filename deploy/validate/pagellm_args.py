@@ -4,7 +4,9 @@ A manifest passes here only if `pagellm serve` would start with the args it rend
 flags exist and their values parse and pass the engine's checks, the probes ask `/health` on
 the port the server listens on, and the model is a path the container can see (pagellm never
 downloads weights). The image's entrypoint is `pagellm serve --host 0.0.0.0 "$@"`
-(deploy/docker/entrypoint.sh), so a container without `command` gets those words first.
+(deploy/docker/entrypoint.sh), so a container without `command` gets those words first, and
+so does the multi-node head's `pagellm-ray-head` (deploy/docker/ray-head.sh), checked with
+the sizes the workerSpec makes KServe inject.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pagellm.entrypoints.cli import build_parser
 from pagellm.engine.arg_utils import EngineArgs
 
 ENTRYPOINT = ("serve", "--host", "0.0.0.0")
+# the multi-node images' scripts (deploy/docker/ray-*.sh): the head ends in the same words
+ENTRYPOINTS = {"pagellm-ray-head": ENTRYPOINT}
+WORKER_COMMAND = "pagellm-ray-worker"
+_SIZE_ENV = ("TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE")
 HEALTH_PATH = "/health"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts storageUri
 _PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
@@ -51,35 +57,84 @@ def parse_serve_args(argv: list[str]) -> tuple[argparse.Namespace | None, str]:
     return namespace, ""
 
 
-def container_argv(container: dict, template_name: str = "model") -> list[str]:
+def container_argv(container: dict, template_name: str = "model",
+                   injected: dict[str, str] | None = None) -> list[str]:
     """The words after `pagellm` the container runs, with $(VAR) expanded as the kubelet
-    does and KServe's `{{.Name}}` filled in."""
+    does (from its env and `injected`, what KServe adds) and KServe's `{{.Name}}` filled in.
+    Raises ValueError for a command that does not run pagellm."""
     env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+    env.update(injected or {})
     words = [*container.get("command", []), *container.get("args", [])]
     words = [_VARIABLE.sub(lambda m: env.get(m[1], m[0]), word).replace("{{.Name}}",
                                                                          template_name)
              for word in words]
     if not container.get("command"):
         return [*ENTRYPOINT, *words]
-    return words[1:] if words[0] == "pagellm" else words
+    if words[0] in ENTRYPOINTS:
+        return [*ENTRYPOINTS[words[0]], *words[1:]]
+    if words[0] != "pagellm":
+        raise ValueError(f"command must start with pagellm or {' or '.join(ENTRYPOINTS)}, "
+                         f"got {words[0]!r}")
+    return words[1:]
 
 
-def container_errors(container: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+def container_errors(container: dict, mounts: tuple[str, ...] = (),
+                     injected: dict[str, str] | None = None) -> list[str]:
     where = f"container {container.get('name')!r}"
-    argv = container_argv(container)
-    if container.get("command") and container["command"][0] != "pagellm":
-        return [f"{where}: command must start with pagellm, got {container['command'][0]!r}"]
+    try:
+        argv = container_argv(container, injected=injected)
+    except ValueError as error:
+        return [f"{where}: {error}"]
     namespace, error = parse_serve_args(argv)
     if namespace is None:
         return [f"{where}: {error} (args: {' '.join(argv)})"]
     if namespace.verb != "serve":
         return []
-    errors = _probe_errors(container, namespace.port)
+    errors = _probe_errors(container, namespace.port) + _multinode_errors(where, namespace,
+                                                                          injected or {})
     visible = mounts + tuple(m["mountPath"] for m in container.get("volumeMounts", []))
     if namespace.model and not any(namespace.model.startswith(path) for path in visible):
         errors.append(f"{where}: model {namespace.model!r} is under no volume mount "
                       "(pagellm loads local files only)")
     return errors
+
+
+def _multinode_errors(where: str, namespace: argparse.Namespace,
+                      injected: dict[str, str]) -> list[str]:
+    """A head must run the sizes the workerSpec gives, with its ranks on Ray."""
+    if not injected:
+        return []
+    errors = [f"{where}: --{flag.replace('_', '-')} {getattr(namespace, flag)} differs from "
+              f"workerSpec's {injected[variable]}: pass ${variable}"
+              for flag, variable in (("tensor_parallel_size", "TENSOR_PARALLEL_SIZE"),
+                                     ("pipeline_parallel_size", "PIPELINE_PARALLEL_SIZE"))
+              if str(getattr(namespace, flag)) != injected[variable]]
+    world = int(injected["TENSOR_PARALLEL_SIZE"]) * int(injected["PIPELINE_PARALLEL_SIZE"])
+    if world > 1 and namespace.distributed_executor_backend != "ray":
+        errors.append(f"{where}: the workerSpec spreads {world} ranks over nodes, which "
+                      "needs --distributed-executor-backend ray")
+    return errors
+
+
+def worker_errors(container: dict) -> list[str]:
+    """A Ray worker joins the head and blocks (deploy/docker/ray-worker.sh); it never serves."""
+    words = [*container.get("command", []), *container.get("args", [])]
+    if not any(WORKER_COMMAND in word for word in words):
+        return [f"worker container {container.get('name')!r}: must run {WORKER_COMMAND} "
+                "HEAD:PORT, which joins the Ray head"]
+    return []
+
+
+def parallel_env(worker_spec: dict | None, override: dict | None = None) -> dict[str, str]:
+    """What KServe injects into a multi-node pod: the sizes (the InferenceService's over the
+    runtime's, 1 by default) and RAY_NODE_COUNT as the ray executor counts nodes (PP)."""
+    if worker_spec is None and override is None:
+        return {}
+    sizes = {**(worker_spec or {}), **(override or {})}
+    tensor = sizes.get("tensorParallelSize", 1)
+    pipeline = sizes.get("pipelineParallelSize", 1)
+    return {"TENSOR_PARALLEL_SIZE": str(tensor), "PIPELINE_PARALLEL_SIZE": str(pipeline),
+            "RAY_NODE_COUNT": str(pipeline)}
 
 
 def _probe_errors(container: dict, port: int) -> list[str]:
@@ -101,10 +156,20 @@ def _probe_errors(container: dict, port: int) -> list[str]:
     return errors
 
 
-def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = ()) -> list[str]:
+def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = (),
+                    injected: dict[str, str] | None = None) -> list[str]:
     return [error for container in pod_spec.get("containers", [])
             if is_pagellm_image(container.get("image", ""))
-            for error in container_errors(container, mounts)]
+            for error in container_errors(container, mounts, injected)]
+
+
+def runtime_errors(spec: dict) -> list[str]:
+    """A runtime's head containers with the env its own workerSpec implies, and its workers."""
+    worker_spec = spec.get("workerSpec")
+    errors = pod_spec_errors(spec, (KSERVE_MODEL_DIR,), parallel_env(worker_spec))
+    return errors + [error for container in (worker_spec or {}).get("containers", [])
+                     if is_pagellm_image(container.get("image", ""))
+                     for error in worker_errors(container)]
 
 
 def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
@@ -116,10 +181,28 @@ def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
     if kind == "Pod":
         return pod_spec_errors(spec)
     if kind in _RUNTIME_KINDS:
-        return pod_spec_errors(spec, (KSERVE_MODEL_DIR,))
+        return runtime_errors(spec)
     if kind == "InferenceService":
         return _inference_service_errors(spec.get("predictor", {}), runtimes)
+    if kind == "RayCluster":
+        return _ray_cluster_errors(spec)
     return []
+
+
+def _ray_cluster_errors(spec: dict) -> list[str]:
+    """The head serves with the sizes its env gives ray-head.sh; every worker joins it."""
+    errors = []
+    for container in spec.get("headGroupSpec", {}).get("template", {}).get("spec", {}).get(
+            "containers", []):
+        if is_pagellm_image(container.get("image", "")):
+            env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+            sizes = {key: env.get(key, "1") for key in _SIZE_ENV}
+            errors += container_errors(container, injected=sizes)
+    for group in spec.get("workerGroupSpecs", []):
+        errors += [error for container in group.get("template", {}).get("spec", {}).get(
+                   "containers", []) if is_pagellm_image(container.get("image", ""))
+                   for error in worker_errors(container)]
+    return errors
 
 
 def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> list[str]:
@@ -128,16 +211,18 @@ def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> lis
     runtime = runtimes.get(model.get("runtime", ""))
     if runtime is None:
         return []
-    if predictor.get("workerSpec") is not None:
-        return [f"runtime {model['runtime']!r} runs pagellm, which has no multi-node "
-                "executor: remove workerSpec"]
+    worker_spec = predictor.get("workerSpec")
+    if worker_spec is not None and runtime.get("workerSpec") is None:
+        return [f"runtime {model['runtime']!r} runs pagellm on one node: a workerSpec needs "
+                "a multi-node runtime such as pagellm-multinode"]
+    injected = parallel_env(runtime.get("workerSpec"), worker_spec)
     errors = []
     for container in runtime.get("containers", []):
         if not is_pagellm_image(container.get("image", "")):
             continue
         merged = {**container, "args": [*container.get("args", []), *model.get("args", [])],
                   "env": [*container.get("env", []), *model.get("env", [])]}
-        errors += container_errors(merged, (KSERVE_MODEL_DIR,))
+        errors += container_errors(merged, (KSERVE_MODEL_DIR,), injected)
     return errors
 
 

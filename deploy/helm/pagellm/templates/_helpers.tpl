@@ -33,7 +33,7 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- $args := list -}}
 {{- with $m.modelURL }}{{ $args = append $args . }}{{ end -}}
 {{- $args = concat $args (list "--port" (toString .root.Values.servingEngineSpec.containerPort) "--served-model-name" $m.name) -}}
-{{- range $key, $flag := dict "maxModelLen" "--max-model-len" "maxNumSeqs" "--max-num-seqs" "tensorParallelSize" "--tensor-parallel-size" -}}
+{{- range $key, $flag := dict "maxModelLen" "--max-model-len" "maxNumSeqs" "--max-num-seqs" "tensorParallelSize" "--tensor-parallel-size" "pipelineParallelSize" "--pipeline-parallel-size" -}}
 {{- if hasKey $config $key }}{{ $args = concat $args (list $flag (toString (int (get $config $key)))) }}{{ end -}}
 {{- end -}}
 {{- range $key, $flag := dict "dtype" "--dtype" "gpuMemoryUtilization" "--gpu-memory-utilization" -}}
@@ -59,4 +59,63 @@ key: apiKey
 name: {{ $key.secretName }}
 key: {{ $key.secretKey }}
 {{- end -}}
+{{- end }}
+
+{{/* A modelSpec's volume mounts (the model PVC at /data, /dev/shm, extras), or nothing. */}}
+{{- define "pagellm.volumeMounts" -}}
+{{- if or .pvcStorage .shmSize .extraVolumeMounts -}}
+volumeMounts:
+  {{- if .pvcStorage }}
+  - name: models
+    mountPath: /data
+  {{- end }}
+  {{- if .shmSize }}
+  - name: shm
+    mountPath: /dev/shm
+  {{- end }}
+  {{- with .extraVolumeMounts }}{{ toYaml . | nindent 2 }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* The pod volumes behind pagellm.volumeMounts. */}}
+{{- define "pagellm.volumes" -}}
+{{- $m := .model -}}
+{{- if or $m.pvcStorage $m.shmSize $m.extraVolumes -}}
+volumes:
+  {{- if $m.pvcStorage }}
+  - name: models
+    persistentVolumeClaim:
+      claimName: {{ include "pagellm.engineName" . }}-storage-claim
+  {{- end }}
+  {{- if $m.shmSize }}
+  - name: shm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ $m.shmSize }}
+  {{- end }}
+  {{- with $m.extraVolumes }}{{ toYaml . | nindent 2 }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* Requests and limits from production-stack's requestCPU/requestMemory/requestGPU/
+requestGPUType/limitCPU/limitMemory keys (a modelSpec, or raySpec.headNode). */}}
+{{- define "pagellm.resources" -}}
+requests:
+  cpu: {{ .requestCPU | quote }}
+  memory: {{ .requestMemory | quote }}
+  {{- if .requestGPU }}
+  {{ .requestGPUType | default "nvidia.com/gpu" }}: {{ .requestGPU | quote }}
+  {{- end }}
+{{- if or .limitCPU .limitMemory .requestGPU }}
+limits:
+  {{- with .limitCPU }}
+  cpu: {{ . | quote }}
+  {{- end }}
+  {{- with .limitMemory }}
+  memory: {{ . | quote }}
+  {{- end }}
+  {{- if .requestGPU }}
+  {{ .requestGPUType | default "nvidia.com/gpu" }}: {{ .requestGPU | quote }}
+  {{- end }}
+{{- end }}
 {{- end }}
