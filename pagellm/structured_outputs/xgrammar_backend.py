@@ -14,7 +14,6 @@ from pagellm.structured_outputs.backend import (GrammarBackend, choice_literals,
                                                 library_message)
 from pagellm.structured_outputs.params import StructuredOutputsConfig, StructuredOutputsParams
 
-
 _BATCH_LOCK = threading.Lock()
 
 
