@@ -3,6 +3,13 @@
 time to first token of a schema the server has not seen (compiled while the request waits)
 against one it has (cached) and an unconstrained request.
 
+Like is compared with like: a constrained answer ends when its JSON does, so the
+unconstrained run that follows gives each request exactly the output length its
+constrained counterpart had (`ignore_eos`, `max_tokens` = that length): both runs make the
+same number of tokens in the same number of steps, and tok/s differ only by the cost of
+the constraint. ITL is per output token (a request's last token time minus its first,
+over its tokens after the first): one decode step's time at that batch size.
+
     python benchmarks/structured_outputs.py                 # starts `pagellm serve` (embedded)
     python benchmarks/structured_outputs.py --base-url http://127.0.0.1:8000 --model NAME
 """
@@ -17,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 import openai
 from server_health import wait_healthy
@@ -30,9 +38,23 @@ SCHEMA = {"type": "object", "properties": {
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON: name, age, city, hobbies."}]
 
 
+@dataclass
+class Streamed:
+    ttft: float  # seconds to the first content token
+    decode_time: float  # seconds from the first content token to the last
+    tokens: int  # output tokens (usage)
+
+
+@dataclass
+class LoadResult:
+    tokens_per_s: float
+    itl_ms: float  # per output token after the first, over all requests
+    lengths: list[int]  # output tokens of request i
+
+
 async def one_request(client: openai.AsyncOpenAI, model: str, max_tokens: int,
-                      schema: dict | None) -> tuple[float, list[float], int]:
-    """(time to first token, gaps between tokens, output tokens) of one streamed request."""
+                      schema: dict | None) -> Streamed:
+    """One streamed request: constrained by `schema`, or unconstrained running to max_tokens."""
     extra = {"ignore_eos": True} if schema is None else {}
     kwargs = {} if schema is None else {"response_format": {
         "type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
@@ -47,28 +69,43 @@ async def one_request(client: openai.AsyncOpenAI, model: str, max_tokens: int,
             stamps.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return (stamps[0] - start if stamps else float("nan")), gaps, tokens
+    if not stamps:
+        return Streamed(float("nan"), 0.0, tokens)
+    return Streamed(stamps[0] - start, stamps[-1] - stamps[0], tokens)
 
 
-async def load(client: openai.AsyncOpenAI, model: str, clients: int, requests: int,
-               max_tokens: int, schema: dict | None) -> tuple[float, float]:
-    """(output tokens/s, mean inter-token latency in ms) with `clients` streams at once."""
-    queue = list(range(requests))
-    gaps: list[float] = []
-    total = 0
+async def load(client: openai.AsyncOpenAI, model: str, clients: int,
+               max_tokens: list[int], schema: dict | None) -> LoadResult:
+    """`clients` streams at once work through one request per entry of `max_tokens`."""
+    queue = list(enumerate(max_tokens))
+    results: dict[int, Streamed] = {}
 
     async def worker() -> None:
-        nonlocal total
         while queue:
-            queue.pop()
-            _, request_gaps, tokens = await one_request(client, model, max_tokens, schema)
-            gaps.extend(request_gaps)
-            total += tokens
+            index, budget = queue.pop(0)
+            results[index] = await one_request(client, model, budget, schema)
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
-    return total / (time.perf_counter() - start), statistics.mean(gaps) * 1e3
+    elapsed = time.perf_counter() - start
+    done = [results[i] for i in range(len(max_tokens))]
+    later_tokens = sum(max(r.tokens - 1, 0) for r in done)
+    return LoadResult(tokens_per_s=sum(r.tokens for r in done) / elapsed,
+                      itl_ms=1e3 * sum(r.decode_time for r in done) / max(later_tokens, 1),
+                      lengths=[r.tokens for r in done])
+
+
+async def compare(client: openai.AsyncOpenAI, model: str, clients: int, requests: int,
+                  max_tokens: int) -> None:
+    """Constrained first; then unconstrained with the constrained answers' lengths."""
+    constrained = await load(client, model, clients, [max_tokens] * requests, SCHEMA)
+    free = await load(client, model, clients, [max(n, 1) for n in constrained.lengths], None)
+    for mode, result in (("unconstrained", free), ("json_schema", constrained)):
+        print(f"{clients:>7} {mode:>13} {result.tokens_per_s:>8.1f} {result.itl_ms:>8.1f} "
+              f"{statistics.mean(result.lengths):>8.1f}")
+    slower = 100 * (1 - constrained.tokens_per_s / free.tokens_per_s)
+    longer = 100 * (constrained.itl_ms / free.itl_ms - 1)
+    print(f"{'':>7} {'cost':>13} {slower:>7.1f}% {longer:>7.1f}%")
 
 
 async def first_seen_ttft(client: openai.AsyncOpenAI, model: str) -> dict[str, float]:
@@ -77,9 +114,9 @@ async def first_seen_ttft(client: openai.AsyncOpenAI, model: str) -> dict[str, f
     for _ in range(3):
         schema = {**SCHEMA, "properties": {**SCHEMA["properties"],
                                            f"id_{uuid.uuid4().hex[:8]}": {"type": "integer"}}}
-        fresh.append((await one_request(client, model, 8, schema))[0])
-        cached.append((await one_request(client, model, 8, schema))[0])
-        plain.append((await one_request(client, model, 8, None))[0])
+        fresh.append((await one_request(client, model, 8, schema)).ttft)
+        cached.append((await one_request(client, model, 8, schema)).ttft)
+        plain.append((await one_request(client, model, 8, None)).ttft)
     return {name: statistics.median(values) * 1e3
             for name, values in (("first-seen schema", fresh), ("cached schema", cached),
                                  ("unconstrained", plain))}
@@ -95,15 +132,11 @@ def start_server(port: int) -> subprocess.Popen:
 
 async def main(args: argparse.Namespace) -> None:
     client = openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key="EMPTY", timeout=600)
-    print(f"{'clients':>7} {'mode':>12} {'tok/s':>8} {'ITL ms':>8}")
+    await one_request(client, args.model, 8, SCHEMA)  # the schema compiled, the server warm
+    print(f"{'clients':>7} {'mode':>13} {'tok/s':>8} {'ITL ms':>8} {'tokens':>8}")
     for clients in args.clients:
-        rates = {}
-        for mode, schema in (("unconstrained", None), ("json_schema", SCHEMA)):
-            rate, itl = await load(client, args.model, clients, max(clients, args.min_requests),
-                                   args.max_tokens, schema)
-            rates[mode] = rate
-            print(f"{clients:>7} {mode:>12} {rate:>8.1f} {itl:>8.1f}")
-        print(f"{'':>7} {'slowdown':>12} {100 * (1 - rates['json_schema'] / rates['unconstrained']):>7.1f}%")
+        await compare(client, args.model, clients, max(clients, args.min_requests),
+                      args.max_tokens)
     for name, value in (await first_seen_ttft(client, args.model)).items():
         print(f"TTFT {name}: {value:.0f} ms")
 

@@ -12,7 +12,8 @@ from pagellm.kernels import argmax_rows, cpu_kernels_available, silu_and_mul, wr
 from pagellm.model import layers
 from pagellm.model.attention import write_kv_with_torch_ops
 from pagellm.model.layers import RMSNorm, RotaryEmbedding, rotate_
-from pagellm.sample import noise
+from pagellm.sample import noise, sampler
+from pagellm.sample.metadata import TokenMaskMetadata
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
                                 reason="no C++ compiler: the CPU kernels could not be built")
@@ -106,6 +107,53 @@ def test_sampling_noise_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(fused.argmax(dim=-1), reference.argmax(dim=-1))
     spread = noise.subtract_noise_(torch.zeros(1, 1 << 16), keys[:1])
     assert spread.min() < -2 and spread.max() > 8  # -log(-log u) for u near 0, and near 1
+
+
+def _random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random words, with whole words of 0 and of -1 (the kernel's fill and copy paths)."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab // 32)), dtype=torch.int64,
+                          generator=generator).to(torch.int32)
+    kind = torch.randint(0, 4, words.shape, generator=generator)
+    return words.masked_fill(kind == 0, 0).masked_fill(kind == 1, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 31, 32, 70, 1000, 49152])
+@pytest.mark.parametrize("masked_rows", [None, [0, 3, 4], [5]])
+def test_token_mask_kernel_equals_the_torch_path(monkeypatch: pytest.MonkeyPatch,
+                                                 dtype: torch.dtype, vocab: int,
+                                                 masked_rows: list[int] | None) -> None:
+    """Bit for bit the torch path's result (unpack, then masked_fill) on random bitmasks: every
+    row masked, some rows without a mask, one row only; vocabularies not a multiple of 32; NaN and
+    infinities kept where allowed. Out of place the logits are untouched; in place equal."""
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 8).to(dtype)
+    logits[1, 0] = float("nan")
+    logits[2, -1] = float("inf")
+    count = 6 if masked_rows is None else len(masked_rows)
+    mask = TokenMaskMetadata(
+        rows=None if masked_rows is None else torch.tensor(masked_rows, dtype=torch.long),
+        bitmask=_random_bitmask(count, vocab, seed=vocab + count))
+    before = logits.clone()
+    fused = sampler.apply_token_mask(logits, mask)
+    assert torch.equal(logits.view(torch.uint8), before.view(torch.uint8))
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler, "use_cpu_kernels", lambda x: False)
+        reference = sampler.apply_token_mask(logits, mask)
+    assert torch.equal(fused.view(torch.uint8), reference.view(torch.uint8))
+    in_place = logits.clone()
+    assert sampler.apply_token_mask(in_place, mask, in_place=True) is in_place
+    assert torch.equal(in_place.view(torch.uint8), reference.view(torch.uint8))
+
+
+def test_token_mask_kernel_rejects_a_row_outside_the_logits() -> None:
+    logits = torch.zeros(2, 40)
+    mask = TokenMaskMetadata(rows=torch.tensor([2]), bitmask=torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="outside the logits"):
+        sampler.apply_token_mask(logits, mask)
+    with pytest.raises(RuntimeError, match="32 \\* W >= vocab"):
+        sampler.apply_token_mask(logits, TokenMaskMetadata(
+            rows=None, bitmask=torch.zeros(2, 1, dtype=torch.int32)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -4,6 +4,7 @@ tokenizer, the token mask in the vectorized sampler, reasoning parsers."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from pagellm.entrypoints.openai.reasoning import reasoning_parser
 from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_outputs.backend import backend_class, choose_backend
+from pagellm.structured_outputs.manager import RequestGrammar, fill_bitmasks
 from pagellm.structured_outputs.params import StructuredOutputsConfig, StructuredOutputsParams
 
 CPU = torch.device("cpu")
@@ -95,6 +97,41 @@ def test_backends_follow_the_spec_on_a_real_tokenizer(name: str, tiny_llama_dir:
     assert _walk(backend, StructuredOutputsParams(choice=["yes", "no"]), tokenizer, "no")
     assert not _walk(backend, StructuredOutputsParams(choice=["yes", "no"]), tokenizer, "maybe")
     assert _walk(backend, StructuredOutputsParams(regex="[0-9]{3}"), tokenizer, "123")
+
+
+def _grammar_at(compiled, tokens: list[int]) -> RequestGrammar:
+    done: Future = Future()
+    done.set_result(compiled)
+    grammar = RequestGrammar(done, deadline=float("inf"))
+    assert grammar.ready
+    for token in tokens:
+        grammar.accept(token)
+    return grammar
+
+
+def test_one_call_fills_every_row_as_each_matcher_alone(tiny_llama_dir: Path) -> None:
+    """The step's bitmask (xgrammar's rows in one native call, llguidance's and a stand-in's
+    row by row) equals each matcher's own fill, at different points of the grammar."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    vocab = len(tokenizer)
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]})
+    answer = tokenizer.encode('{"name": "Ada", "n": 12}', add_special_tokens=False)
+    grammars: list = []
+    for name in ("xgrammar", "guidance", "xgrammar"):
+        config = StructuredOutputsConfig(backend=name)
+        compiled = backend_class(name)(tokenizer, vocab, [tokenizer.eos_token_id],
+                                       config).compile(params)
+        grammars += [_grammar_at(compiled, answer[:k]) for k in (0, 2, 5, len(answer) - 1)]
+    grammars.insert(3, AllowEven())
+    width = -(-vocab // 32)
+    bitmask = torch.full((len(grammars), width), -1, dtype=torch.int32)
+    fill_bitmasks(grammars, bitmask)
+    for row, grammar in enumerate(grammars):
+        alone = torch.full((1, width), -1, dtype=torch.int32)
+        grammar.fill_bitmask(alone, 0)
+        assert torch.equal(bitmask[row], alone[0]), row
+    assert len({tuple(row.tolist()) for row in bitmask}) > 3  # the points differ
 
 
 @pytest.mark.parametrize("name,text,reasoning,content", [

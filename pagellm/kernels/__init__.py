@@ -28,7 +28,7 @@ _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "quantized_linear_amx.cpp", "quantized_linear_bf16_amx.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
                                       "prefill_attention.cpp", "write_kv.cpp",
-                                      "cache_eviction.cpp")]
+                                      "cache_eviction.cpp", "token_mask.cpp")]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "quantized_linear.h", "int8_rows.h",
                                       "attention_scores.h", "amx_tiles.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
@@ -253,6 +253,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.pagellm.argmax_rows(out, logits)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
+                        out: torch.Tensor) -> None:
+    """out = logits [R, V] (float32, bf16 or fp16, contiguous) with -inf where a row's int32
+    bitmask [G, ceil(V / 32)] has a 0 bit; `rows`: the logits row of each bitmask row (None:
+    bitmask row r is row r). `out` may be `logits` itself (in place)."""
+    if rows is None:
+        rows = torch.arange(bitmask.shape[0], dtype=torch.int64)
+    torch.ops.pagellm.apply_token_bitmask(out, logits, bitmask, rows)
 
 
 def subtract_log_exponential_(logits: torch.Tensor, keys: torch.Tensor) -> None:

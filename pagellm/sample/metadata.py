@@ -8,6 +8,7 @@ stage applies to every row (no gather/scatter needed).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from pagellm.sample.noise import seeded_row_keys
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_outputs.manager import fill_bitmasks
 
 _U64 = 1 << 64
 _I64_LIMIT = 1 << 63
@@ -229,22 +231,24 @@ def _logprobs(rows: Sequence[SamplingRow], device: torch.device) -> LogprobMetad
     )
 
 
-def _token_mask(rows: Sequence[SamplingRow], vocab_size: int,
-                device: torch.device) -> TokenMaskMetadata | None:
+def build_token_mask(rows: Sequence[SamplingRow], vocab_size: int,
+                     device: torch.device) -> TokenMaskMetadata | None:
     """Each constrained row's grammar fills its bitmask row; a finished grammar leaves none."""
     picked = [i for i, row in enumerate(rows) if row.grammar is not None and row.grammar.active]
     if not picked:
         return None
     bitmask = torch.full((len(picked), -(-vocab_size // 32)), -1, dtype=torch.int32)
-    for position, i in enumerate(picked):
-        rows[i].grammar.fill_bitmask(bitmask, position)
+    fill_bitmasks([rows[i].grammar for i in picked], bitmask)
     return TokenMaskMetadata(rows=_index(picked, len(rows), device),
                              bitmask=bitmask.to(device, non_blocking=True))
 
 
-def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int,
-                            device: torch.device) -> SamplingMetadata:
-    """Tensors for one sampler call; row i of the logits belongs to rows[i]."""
+def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
+                            token_mask: Future[TokenMaskMetadata | None] | None = None
+                            ) -> SamplingMetadata:
+    """Tensors for one sampler call; row i of the logits belongs to rows[i]. `token_mask`: the
+    rows' `build_token_mask`, already under way (the model runner fills it during the
+    forward); built here when None."""
     return SamplingMetadata(
         num_rows=len(rows),
         vocab_size=vocab_size,
@@ -253,5 +257,6 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int,
         penalties=_penalties(rows, vocab_size, device),
         random=_random(rows, vocab_size, device),
         logprobs=_logprobs(rows, device),
-        token_mask=_token_mask(rows, vocab_size, device),
+        token_mask=(build_token_mask(rows, vocab_size, device) if token_mask is None
+                    else token_mask.result()),
     )

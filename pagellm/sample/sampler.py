@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagellm.kernels import argmax_rows
+from pagellm.kernels import apply_token_bitmask, argmax_rows, use_cpu_kernels
 from pagellm.sample.metadata import (
     LogprobMetadata,
     PenaltyMetadata,
@@ -65,8 +65,15 @@ def _token_counts(tokens: Tensor, vocab_size: int) -> Tensor:
     return counts.scatter_add_(1, tokens.masked_fill(~real, 0), real.to(torch.float32))
 
 
-def apply_token_mask(logits: Tensor, mask: TokenMaskMetadata) -> Tensor:
-    """Disallowed tokens of the constrained rows to -inf: the bitmask unpacked to [G, vocab]."""
+def apply_token_mask(logits: Tensor, mask: TokenMaskMetadata, in_place: bool = False) -> Tensor:
+    """Disallowed tokens of the constrained rows to -inf. `in_place`: `logits` is the sampler's
+    own copy and may be written. The CPU kernel tests each bit as it copies its logit; the
+    torch path (no kernels) unpacks the bitmask to [G, vocab] first."""
+    if (use_cpu_kernels(logits) and logits.dim() == 2 and logits.is_contiguous()
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        out = logits if in_place else torch.empty_like(logits)
+        apply_token_bitmask(logits, mask.bitmask, mask.rows, out)
+        return out
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = mask.bitmask.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
     allowed = bits.view(bits.shape[0], -1)[:, :logits.shape[1]].bool()
@@ -212,7 +219,8 @@ class Sampler:
         if metadata.token_mask is None:
             return Sampler._edit_logits(logits, metadata)
         # last: no bias or penalty revives a banned token
-        return apply_token_mask(Sampler._edit_logits(logits, metadata), metadata.token_mask)
+        edited = Sampler._edit_logits(logits, metadata)
+        return apply_token_mask(edited, metadata.token_mask, in_place=edited is not logits)
 
     @staticmethod
     def _edit_logits(logits: Tensor, metadata: SamplingMetadata) -> Tensor:

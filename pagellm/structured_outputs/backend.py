@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +25,11 @@ class GrammarMatcher(Protocol):
     def accept(self, token_id: int) -> bool: ...
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+    @staticmethod
+    def fill_many(matchers: Sequence["GrammarMatcher"], bitmask: torch.Tensor,
+                  rows: list[int]) -> None:
+        """Row rows[i] of `bitmask` from matchers[i] (all of this class)."""
 
     def is_terminated(self) -> bool: ...
 

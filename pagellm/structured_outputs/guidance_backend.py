@@ -4,6 +4,7 @@ masks cost tens of microseconds per token on this CPU, and it covers more JSON S
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -27,6 +28,11 @@ class _Matcher:
         import torch._dynamo: seconds at the first request)."""
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+
+    @staticmethod
+    def fill_many(matchers: Sequence["_Matcher"], bitmask: torch.Tensor, rows: list[int]) -> None:
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,21 @@ class RequestGrammar:
         """A sibling (n > 1) at the same point of the grammar, walking on its own."""
         return RequestGrammar(self.compiled, self.deadline,
                               self.matcher.fork() if self.matcher is not None else None)
+
+
+def fill_bitmasks(grammars: Sequence[Any], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` from grammars[i]: the matchers of one library in one call (xgrammar
+    fills them all natively); anything else with a `fill_bitmask(bitmask, row)` row by row."""
+    groups: dict[type, tuple[list[GrammarMatcher], list[int]]] = {}
+    for row, grammar in enumerate(grammars):
+        if not isinstance(grammar, RequestGrammar):
+            grammar.fill_bitmask(bitmask, row)
+            continue
+        matchers, rows = groups.setdefault(type(grammar.matcher), ([], []))
+        matchers.append(grammar.matcher)
+        rows.append(row)
+    for kind, (matchers, rows) in groups.items():
+        kind.fill_many(matchers, bitmask, rows)
 
 
 class StructuredOutputManager:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,10 +14,28 @@ from pagellm.structured_outputs.backend import (GrammarBackend, choice_literals,
                                                 library_message)
 from pagellm.structured_outputs.params import StructuredOutputsConfig, StructuredOutputsParams
 
+_BATCH_LOCK = threading.Lock()
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    """Fills many rows in one native call, GIL released. One thread: the fill runs while the
+    forward does (tens of microseconds a row against milliseconds of forward), and more
+    threads would only take cores from it (xgrammar's default is half the machine's cores,
+    not the engine's)."""
+    return xgr.BatchGrammarMatcher(max_threads=1)
+
 
 class _Matcher:
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self._matcher = matcher
+
+    @staticmethod
+    def fill_many(matchers: Sequence["_Matcher"], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Row rows[i] of `bitmask` from matchers[i]: no Python per row."""
+        with _BATCH_LOCK:
+            _batch_matcher().batch_fill_next_token_bitmask([m._matcher for m in matchers],
+                                                           bitmask, rows)
 
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)

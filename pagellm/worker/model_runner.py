@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
+from pagellm.sample.metadata import build_token_mask
 from pagellm.sample.prompt_logprobs import score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 
@@ -111,6 +113,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.offload_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        # fills the step's grammar bitmasks while the forward runs (the libraries release the GIL)
+        self._token_masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-mask")
         self.lora: LoRAModelManager | None = None  # set by the engine core with --enable-lora
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -345,14 +349,22 @@ class ModelRunner:
         if self.lora is not None:  # each item's adapter slot, then each token's
             slots = self.lora.activate([s.request.lora for s in step.scheduled])
             lora_slots = np.repeat(slots, [s.num_tokens for s in step.scheduled])
-        computed = self.compute(step_chunks(step), lora_slots)
+        rows, owners = self._sampling_rows(step)
+        token_mask = None
+        if any(row.grammar is not None for row in rows):
+            token_mask = self._token_masks.submit(build_token_mask, rows, self.arch.vocab_size,
+                                                  self.device)
+        try:
+            computed = self.compute(step_chunks(step), lora_slots)
+        finally:  # the matchers are the scheduler's again once this step returns
+            if token_mask is not None:
+                wait([token_mask])
         if computed.prompt is not None:
             self._hand_out_prompt_logprobs(step, computed.prompt, output)
         logits = computed.sampling
         if logits is None:
             return output
-        rows, owners = self._sampling_rows(step)
-        metadata = build_sampling_metadata(rows, logits.shape[-1], self.device)
+        metadata = build_sampling_metadata(rows, logits.shape[-1], self.device, token_mask)
         sampled = self.sampler(logits, metadata, self.generator)
         for request_id, token_id, logprob in zip(owners, sampled.token_ids, sampled.logprobs):
             output.sampled.setdefault(request_id, []).append(token_id)
