@@ -62,8 +62,8 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
 
 
 def test_unbuilt_parallel_layout_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = one_line_error(["serve", "-dp", "2"], capsys)
-    assert code == 1 and "data parallelism (data_parallel_size 2) is not supported" in err
+    code, err = one_line_error(["serve", "-dp", "2", "-tp", "3"], capsys)
+    assert code == 1 and "data parallelism combined with tensor or pipeline parallelism" in err
     code, err = one_line_error(["serve", "-tp", "-1"], capsys)
     assert code == 2 and "must be 0 or more, got -1" in err
 
@@ -139,8 +139,9 @@ def test_the_engine_core_start_method_follows_vllm_s_variable(
     for name in ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
         monkeypatch.delenv(name, raising=False)
     assert start_method() == "spawn"  # in-process engines (tests, notebooks) stay safe
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    assert start_method() == "fork"
+    assert start_method("fork") == "fork"  # what `pagellm serve` asks for on CPU
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert start_method("fork") == "spawn"
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "threads")
     with pytest.raises(ValueError, match="VLLM_WORKER_MULTIPROC_METHOD=threads: use fork"):
         start_method()

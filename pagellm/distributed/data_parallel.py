@@ -63,10 +63,11 @@ class DataParallelCoreClient:
     rank that produced them."""
 
     def __init__(self, args: EngineArgs, num_engines: int,
-                 on_result: Callable[[StepResult], None], on_dead: Callable[[], None]) -> None:
+                 on_result: Callable[[StepResult], None], on_dead: Callable[[], None],
+                 default_start: str = "spawn") -> None:
         self._on_result = on_result
         self.clients = [EngineCoreClient(args, self._tagged(engine), on_dead, engine,
-                                         num_engines, wait=False)
+                                         num_engines, wait=False, default_start=default_start)
                         for engine in range(num_engines)]
         try:
             for client in self.clients:

@@ -39,14 +39,18 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, log_stats: bool = True) -> None:
+    """`default_start`: how the engine core process starts unless VLLM_WORKER_MULTIPROC_METHOD
+    says otherwise (`spawn`, safe in any process; the server asks for `fork`)."""
+
+    def __init__(self, args: EngineArgs, log_stats: bool = True,
+                 default_start: str = "spawn") -> None:
         self.args = args
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead = False
         self._closing = False
         self.num_engines = args.data_parallel_size
-        self.client = self._start_client(args)
+        self.client = self._start_client(args, default_start)
         ready = self.client.ready
         self.info = ready.info
         self.model_path = Path(ready.model_path)
@@ -66,16 +70,20 @@ class AsyncLLM:
         self._log_task: asyncio.Task | None = None
         self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
 
-    def _start_client(self, args: EngineArgs) -> "EngineCoreClient | DataParallelCoreClient":
+    def _start_client(self, args: EngineArgs,
+                      default_start: str) -> "EngineCoreClient | DataParallelCoreClient":
         if self.num_engines == 1:
-            return EngineCoreClient(args, self._on_result, self._on_dead)
+            return EngineCoreClient(args, self._on_result, self._on_dead,
+                                    default_start=default_start)
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
-        return DataParallelCoreClient(args, self.num_engines, self._on_result, self._on_dead)
+        return DataParallelCoreClient(args, self.num_engines, self._on_result, self._on_dead,
+                                      default_start)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, log_stats: bool = True) -> "AsyncLLM":
-        return cls(args, log_stats)
+    def from_engine_args(cls, args: EngineArgs, log_stats: bool = True,
+                         default_start: str = "spawn") -> "AsyncLLM":
+        return cls(args, log_stats, default_start)
 
     @property
     def errored(self) -> bool:

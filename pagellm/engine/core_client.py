@@ -33,17 +33,17 @@ _PROGRESS_SECONDS = 15.0
 START_METHOD_ENV_VARS = ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD")
 
 
-def start_method() -> str:
+def start_method(default: str = "spawn") -> str:
     """How the engine core process starts: vLLM's VLLM_WORKER_MULTIPROC_METHOD (or its
-    PAGELLM_ twin) if set, else `spawn`, which is safe in any process (`pagellm serve` sets
-    `fork` where that is safe, see api_server.run_server)."""
+    PAGELLM_ twin) if set, else `default`. `spawn` is safe in any process; `pagellm serve`
+    asks for `fork` where that is safe (see api_server.engine_start_method)."""
     for name in START_METHOD_ENV_VARS:
         value = os.environ.get(name)
         if value:
             if value not in ("fork", "spawn", "forkserver"):
                 raise ValueError(f"{name}={value}: use fork, spawn or forkserver.")
             return value
-    return "spawn"
+    return default
 
 
 @dataclass
@@ -213,8 +213,8 @@ class EngineCoreClient:
 
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
                  on_dead: Callable[[], None], engine: int = 0, num_engines: int = 1,
-                 wait: bool = True) -> None:
-        context = multiprocessing.get_context(start_method())
+                 wait: bool = True, default_start: str = "spawn") -> None:
+        context = multiprocessing.get_context(start_method(default_start))
         self._conn, child_conn = context.Pipe()
         name = "EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}"
         self._process = context.Process(target=run_engine_core, name=name, daemon=True,

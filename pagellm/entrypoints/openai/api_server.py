@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from pydantic import BaseModel
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.core_client import START_METHOD_ENV_VARS
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
                                                documented_errors, error_response,
@@ -291,7 +289,8 @@ class _Server(DrainingServer):
 
 async def serve(settings: ServerSettings, sock: socket.socket) -> int:
     """Serve until SIGTERM (exit code 0, after the drain) or engine death (1)."""
-    engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats)
+    engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats,
+                                       default_start=engine_start_method())
     try:
         app = build_app(engine, settings)
         if app.state.pagellm.lora is not None:
@@ -310,14 +309,12 @@ async def serve(settings: ServerSettings, sock: socket.socket) -> int:
         engine.shutdown()
 
 
-def fork_engine_core_if_safe() -> None:
-    """Start the engine core by fork unless told otherwise: it then begins with torch and
-    the model code already imported, seconds sooner than a fresh interpreter. Safe here
-    because this process has run no torch operation and started no thread yet; not with
-    CUDA, which must not be initialised before a fork."""
-    if not any(os.environ.get(name) for name in START_METHOD_ENV_VARS) \
-            and not torch.cuda.is_available():
-        os.environ[START_METHOD_ENV_VARS[0]] = "fork"
+def engine_start_method() -> str:
+    """Fork the engine core unless told otherwise: it then begins with torch and the model
+    code already imported, seconds sooner than a fresh interpreter. Safe in `pagellm serve`,
+    which has run no torch operation and started no thread yet; not with CUDA, which must
+    not be initialised before a fork, and not for engines made inside other programs."""
+    return "spawn" if torch.cuda.is_available() else "fork"
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -326,7 +323,6 @@ def run_server(args: argparse.Namespace) -> None:
         from pagellm.distributed.nodes import run_headless
 
         raise SystemExit(run_headless(settings.engine_args.parallel_config()))
-    fork_engine_core_if_safe()
     sock = bind_socket(settings.host, settings.port)
     try:
         serving = serve
