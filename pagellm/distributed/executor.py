@@ -131,10 +131,14 @@ class MultiprocExecutor:
                     "parallel size %d (backend gloo, rendezvous %s, %d node(s)); rank 0 on "
                     "cores %s", local - 1, self.info.tp_size, self.info.pp_size,
                     self.init_method, self.info.nnodes, cores)
-        self._start_workers(config, dtype, kv_cache_dtype, block_size)
-        group = init_rank(self.info)
-        loaded, self.layout = load_rank_model(config, dtype, group)
-        self._wait_workers("loading its shard")
+        try:
+            self._start_workers(config, dtype, kv_cache_dtype, block_size)
+            group = init_rank(self.info)
+            loaded, self.layout = load_rank_model(config, dtype, group)
+            self._wait_workers("loading its shard")
+        except BaseException:  # stop the workers, give this process its cores back
+            self.shutdown()
+            raise
         return loaded
 
     def _start_workers(self, config: ModelConfig, dtype: torch.dtype,

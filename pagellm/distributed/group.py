@@ -128,6 +128,7 @@ def init_rank(info: RankInfo) -> ParallelGroup:
                                 world_size=info.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, ValueError, OSError) as error:
+        _forget_failed_group()
         raise PreflightError(f"rank {info.rank} could not join the process group at "
                              f"{info.init_method} within {timeout:g} s (backend gloo): "
                              f"{_first_line(error)}; {hint}.") from None
@@ -135,10 +136,24 @@ def init_rank(info: RankInfo) -> ParallelGroup:
     try:
         _preflight(group)
     except RuntimeError as error:
+        _forget_failed_group()
         raise PreflightError(f"rank {info.rank}: the preflight all-reduce / send-recv over "
                              f"{info.init_method} failed (backend gloo): {_first_line(error)}; "
                              f"{hint}.") from None
     return group
+
+
+def _forget_failed_group() -> None:
+    """After a failed join, the next group this process makes must be named as a fresh
+    process's is: torch counts groups per process (a rendezvous that timed out is counted
+    too) and names the store keys by that count, so a leftover count makes the next join
+    wait for keys a fresh worker never writes."""
+    if dist.is_initialized():
+        dist.destroy_process_group()  # resets the count
+    else:
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0
 
 
 def _preflight(group: ParallelGroup) -> None:
