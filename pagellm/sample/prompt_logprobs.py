@@ -11,11 +11,15 @@ the sampled tokens' logprobs (raw model output, before any sampling option).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.sample.metadata import LogprobMetadata
 from pagellm.sample.sampler import TokenLogprobs, compute_logprobs
+
+if TYPE_CHECKING:
+    from pagellm.core.sched_output import SchedulerOutput
 
 # LM-head rows per call (24 MiB of float32 logits over SmolLM2's 49152 tokens, 77 MiB over a
 # 150k vocabulary); a constant, so that every rank of a parallel group makes the same calls
@@ -40,3 +44,13 @@ def score_prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor | No
                                max_top=max(tops))
         scored.extend(compute_logprobs(logits, targets[start:end], meta))
     return scored if len(scored) == hidden.shape[0] else None
+
+
+def hand_out_prompt_logprobs(step: "SchedulerOutput", scored: list[TokenLogprobs],
+                             by_request: dict[str, list[TokenLogprobs]]) -> None:
+    """The step's scored rows, in chunk order, to the requests that asked for them."""
+    first = 0
+    for item in step.scheduled:
+        if item.num_scored:
+            by_request[item.request.request_id] = scored[first:first + item.num_scored]
+            first += item.num_scored

@@ -32,7 +32,7 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
 from pagellm.sample.metadata import build_token_mask
-from pagellm.sample.prompt_logprobs import score_prompt_rows
+from pagellm.sample.prompt_logprobs import hand_out_prompt_logprobs, score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 
 if TYPE_CHECKING:
@@ -360,7 +360,7 @@ class ModelRunner:
             if token_mask is not None:
                 wait([token_mask])
         if computed.prompt is not None:
-            self._hand_out_prompt_logprobs(step, computed.prompt, output)
+            hand_out_prompt_logprobs(step, computed.prompt, output.prompt_logprobs)
         logits = computed.sampling
         if logits is None:
             return output
@@ -372,16 +372,6 @@ class ModelRunner:
         if step.has_drafts:
             verify_drafts(step, output, logits, metadata, self.generator)
         return output
-
-    @staticmethod
-    def _hand_out_prompt_logprobs(step: SchedulerOutput, scored: list[TokenLogprobs],
-                                  output: ModelRunnerOutput) -> None:
-        first = 0
-        for item in step.scheduled:
-            if item.num_scored:
-                output.prompt_logprobs[item.request.request_id] = scored[first:first
-                                                                         + item.num_scored]
-                first += item.num_scored
 
     @staticmethod
     def _sampling_rows(step: SchedulerOutput) -> tuple[list[SamplingRow], list[str]]:
