@@ -5,7 +5,8 @@ The exact model is transformers in float32 on the same weights (a GGUF dequantiz
 transformers' own loader). Over a fixed set of chat prompts shipped with pagellm, each
 variant of the engine (named engine arguments) gives its greedy continuation of every
 prompt, all prompts in one batch; the report gives the share identical to the exact
-model's, the mean length of the prefix they share, and output tokens/s. `--base-url` adds
+model's, the mean length of the prefix they share, the mean KL divergence per token from
+the exact model's distribution (`fidelity_kl`), and output tokens/s. `--base-url` adds
 an OpenAI-compatible server (llama.cpp's `llama-server` on the same file, say), asked one
 prompt at a time on /v1/completions with the same rendered chat prompt.
 """
@@ -38,10 +39,12 @@ class FidelityResult:
     prompts: int
     mean_matching_prefix: float
     output_tokens_per_s: float
+    mean_kl: float | None = None  # None where the engine gave no prompt logprobs
 
     def row(self) -> str:
+        kl = "n/a" if self.mean_kl is None else f"{self.mean_kl:.5f}"
         return (f"| {self.variant} | {self.identical}/{self.prompts} | "
-                f"{self.mean_matching_prefix:.1f} | {self.output_tokens_per_s:.1f} |")
+                f"{self.mean_matching_prefix:.1f} | {kl} | {self.output_tokens_per_s:.1f} |")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -81,25 +84,31 @@ def matching_prefix(ours: list[int], exact: list[int]) -> int:
 
 
 def score(variant: str, answers: list[list[int]], exact: list[list[int]],
-          seconds: float) -> FidelityResult:
+          seconds: float, kl: float | None = None) -> FidelityResult:
     prefixes = [matching_prefix(a, e) for a, e in zip(answers, exact)]
     identical = sum(a == e for a, e in zip(answers, exact))
     produced = sum(len(a) for a in answers)
     return FidelityResult(variant, identical, len(exact), sum(prefixes) / len(prefixes),
-                          produced / seconds)
+                          produced / seconds, kl)
 
 
-def exact_answers(model_path: Path, prompts: list[list[int]], max_tokens: int,
-                  eos_ids: list[int]) -> list[list[int]]:
-    """transformers' float32 greedy continuations, one prompt at a time, ending at EOS as
-    the engine's do."""
+def exact_model(model_path: Path) -> Any:
+    """transformers in float32 on the same file (a GGUF is dequantized by its own loader)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     gguf = model_path.suffix == ".gguf"
     kwargs = {"gguf_file": model_path.name} if gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent if gguf else model_path,
-                                                 dtype=torch.float32, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path.parent if gguf else model_path,
+                                                dtype=torch.float32, **kwargs).eval()
+
+
+def exact_answers(model: Any, prompts: list[list[int]], max_tokens: int,
+                  eos_ids: list[int]) -> list[list[int]]:
+    """The exact model's greedy continuations, one prompt at a time, ending at EOS as the
+    engine's do."""
+    import torch
+
     answers = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -126,6 +135,7 @@ class EngineRun:
     model_path: Path
     eos_token_ids: list[int]
     tokenizer: Any
+    llm: Any
 
 
 def engine_answers(model: str | None, arguments: dict[str, Any], messages: list[str],
@@ -146,7 +156,21 @@ def engine_answers(model: str | None, arguments: dict[str, Any], messages: list[
     # compare what comes before it
     answers = [_until_eos(list(o.outputs[0].token_ids), loaded.eos_token_ids) for o in outputs]
     return EngineRun(answers, seconds, prompts, loaded.path, loaded.eos_token_ids,
-                     llm.get_tokenizer())
+                     llm.get_tokenizer(), llm)
+
+
+@dataclass
+class ExactReference:
+    answers: list[list[int]]
+    logprobs: list[Any]  # per prompt, the full distributions at the answer's positions
+
+
+def exact_reference(engine: EngineRun, max_tokens: int) -> ExactReference:
+    from pagellm.benchmarks import fidelity_kl
+
+    model = exact_model(engine.model_path)
+    answers = exact_answers(model, engine.prompts, max_tokens, engine.eos_token_ids)
+    return ExactReference(answers, fidelity_kl.exact_logprobs(model, engine.prompts, answers))
 
 
 def server_answers(base_url: str, tokenizer: Any, prompts: list[list[int]],
@@ -169,20 +193,23 @@ def server_answers(base_url: str, tokenizer: Any, prompts: list[list[int]],
 
 
 def run(args: argparse.Namespace) -> list[FidelityResult]:
+    from pagellm.benchmarks import fidelity_kl  # torch: not at the CLI's import
+
     messages = json.loads(PROMPTS.read_text())[:args.num_prompts]
     results, exact, first = [], None, None
     for name, arguments in parse_variants(args.variant).items():
         engine = engine_answers(args.model, arguments, messages, args.max_tokens)
         if exact is None:
-            first = engine
-            exact = exact_answers(engine.model_path, engine.prompts, args.max_tokens,
-                                  engine.eos_token_ids)
-        results.append(score(name, engine.answers, exact, engine.seconds))
+            first, exact = engine, exact_reference(engine, args.max_tokens)
+        kl = fidelity_kl.mean_kl(exact.logprobs, fidelity_kl.engine_logprobs(
+            engine.llm, engine.prompts, exact.answers))
+        results.append(score(name, engine.answers, exact.answers, engine.seconds, kl))
         print(results[-1].row(), flush=True)
+        engine.llm = None  # one engine's KV cache at a time
     if args.base_url:
         answers, seconds = server_answers(args.base_url, first.tokenizer, first.prompts,
                                           args.max_tokens)
-        results.append(score(args.base_url, answers, exact, seconds))
+        results.append(score(args.base_url, answers, exact.answers, seconds))
     print_report(results, args.max_tokens)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps([r.__dict__ for r in results], indent=2))
@@ -192,7 +219,8 @@ def run(args: argparse.Namespace) -> list[FidelityResult]:
 def print_report(results: list[FidelityResult], max_tokens: int) -> None:
     print(f"\nGreedy continuations ({max_tokens} tokens) against transformers float32 on the "
           "same weights:")
-    print("| variant | identical | mean matching prefix (tokens) | output tok/s |")
-    print("|---|---|---|---|")
+    print("| variant | identical | mean matching prefix (tokens) | mean KL per token | "
+          "output tok/s |")
+    print("|---|---|---|---|---|")
     for result in results:
         print(result.row())
