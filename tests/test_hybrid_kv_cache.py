@@ -130,6 +130,29 @@ def test_no_hit_where_the_sliding_groups_window_was_evicted() -> None:
     assert longer.group_block_ids[0][:10] == [0] * 8 + [18, 20]
 
 
+def test_a_fork_shares_the_prompt_blocks_unless_a_local_group_gave_one_back() -> None:
+    """With a window of 6: a 30-token prompt prefilled at once still holds every block when
+    its second sample forks, so the child shares 7 blocks in each group (recomputing 28, 29);
+    prefilled as 29 + 1, the last chunk's query at 29 sees keys 24.. only, block 5 went back,
+    and the child's first query (28) would see it: the child shares nothing."""
+    manager = HybridKVCacheManager(40, BLOCK, hybrid_layout([SLIDING, FULL], 6, 1024))
+    parent = make_request("p", list(range(300, 330)), manager)
+    run(manager, parent, 30)
+    child = Request("p-1", parent.prompt_token_ids, SamplingParams(), max_tokens=64)
+    manager.fork(parent, child)
+    assert (child.block_ids, child.group_block_ids) == ([1, 2, 3, 4, 5, 6, 7],
+                                                        [[9, 10, 11, 12, 13, 14, 15]])
+    assert child.num_computed_tokens == 28
+    chunked = make_request("q", list(range(400, 430)), manager)
+    run(manager, chunked, 29)
+    run(manager, chunked, 1)
+    assert chunked.group_block_ids == [[0, 0, 0, 0, 0, 0, 31, 32]]
+    late = Request("q-1", chunked.prompt_token_ids, SamplingParams(), max_tokens=64)
+    manager.fork(chunked, late)
+    assert (late.block_ids, late.group_block_ids, late.num_computed_tokens) == ([], [[]], 0)
+    manager.check_integrity([parent, child, chunked, late])
+
+
 class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

@@ -188,6 +188,10 @@ class HybridKVCacheManager(KVCacheManager):
         child.block_hashes = parent.block_hashes[:num_full]
         child.num_cached_blocks = min(num_full, parent.num_cached_blocks)
 
+    def usage(self) -> float:
+        """Of the blocks requests can hold: the null block aside, as vLLM counts."""
+        return (self.pool.num_used_blocks - 1) / (self.pool.num_blocks - 1)
+
     def check_integrity(self, requests: list[Request]) -> None:
         """The pool's check over every group's table (the null block held once, by the
         manager), and each request's tables of one length."""
