@@ -56,6 +56,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     offload_bytes: int = 0  # the second KV tier; 0: none
     offload_path: str | None = None  # a file to memory-map for it instead of RAM
+    disable_hybrid_kv_cache_manager: bool = False  # sliding-window layers keep every block
 
     def cpu_kv_cache_bytes(self) -> int:
         """The CPU KV budget: explicit bytes, else the env var (GiB, like vLLM's CPU backend)."""

@@ -66,6 +66,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # with sliding-window layers in groups of their own: the block tables of groups 1..
+    # (HybridKVCacheManager; block_ids is group 0's)
+    group_block_ids: list[list[int]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -43,6 +43,10 @@ _HELP = {
     "served_model_name": "the model name the API answers to",
     "device": "auto, cpu or cuda",
     "enable_prefix_caching": "reuse the KV blocks of earlier requests' common prefixes",
+    "disable_hybrid_kv_cache_manager": "keep every KV block of sliding-window layers (Gemma 3's "
+                                       "local layers); by default they give back the blocks "
+                                       "that left their window, so a long request costs about "
+                                       "the full-attention layers' memory only",
     "kv_offloading_size": "GiB of a second KV tier in host memory (CPU RAM, pinned on CUDA) that "
                           "keeps prefix blocks evicted from the KV cache and swapped-out requests",
     "kv_offloading_path": "memory-map a file at this path for the second KV tier instead of "
@@ -123,6 +127,7 @@ class EngineArgs(ParallelArgs):
     served_model_name: str | None = None
     device: str = "auto"
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     kv_offloading_size: float | None = None
     kv_offloading_path: str | None = None
     kv_transfer_config: str | None = None
@@ -191,7 +196,8 @@ class EngineArgs(ParallelArgs):
                            num_gpu_blocks_override=self.num_gpu_blocks_override,
                            enable_prefix_caching=self.enable_prefix_caching,
                            offload_bytes=self.offload_bytes(),
-                           offload_path=self.kv_offloading_path)
+                           offload_path=self.kv_offloading_path,
+                           disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager)
 
     def offload_bytes(self) -> int:
         """Bytes of the second KV tier, from kv_offloading_size or kv_transfer_config; 0: none."""

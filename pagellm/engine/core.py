@@ -12,7 +12,9 @@ import torch
 
 from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagellm.core.block_map import block_map
+from pagellm.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv_layout import KVCacheLayout, hybrid_layout
 from pagellm.core.offload import OffloadPool, SwapCostModel
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.core.scheduler import Scheduler
@@ -76,6 +78,8 @@ class EngineCore:
 
             self.lora = self.runner.lora = LoRAModelManager(self.loaded.model, lora_config,
                                                             self.dtype, device)
+        self.kv_layout = self._kv_layout()
+        self.runner.kv_layout = self.kv_layout
         self.num_blocks = self._determine_num_blocks(weights_bytes, scheduler_config)
         logger.info("Allocating the KV cache: %s blocks of %s tokens", f"{self.num_blocks:,}",
                     cache_config.block_size)
@@ -83,8 +87,7 @@ class EngineCore:
         offload = self._make_offload_pool()
         measure = offload is not None and scheduler_config.preemption_mode == "auto"
         swap_cost = self._measure_swap_cost() if measure else None
-        kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
-                                          cache_config.enable_prefix_caching, offload)
+        kv_cache_manager = self._make_kv_cache_manager(offload)
         self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
         self.spec_decoder = (self._make_spec_decoder(speculative_config, model_config,
                                                      kv_cache_dtype)
@@ -138,15 +141,55 @@ class EngineCore:
         else:
             available = cache.cpu_kv_cache_bytes()
         num_blocks = max(0, available // block_bytes)
-        tokens = num_blocks * cache.block_size
+        layout, chunk = self.kv_layout, scheduler_config.max_num_batched_tokens
         logger.info("Available KV cache memory: %.2f GiB", available / _GIB)
         prefix = "GPU " if self.device.type == "cuda" else ""
-        logger.info("%sKV cache size: %s tokens", prefix, f"{tokens:,}")
-        self._check_fits(num_blocks, block_bytes, available)
-        concurrency = num_blocks / cdiv(self.max_model_len, cache.block_size)
+        if layout is None:
+            per_request = cdiv(self.max_model_len, cache.block_size)
+            usable, largest = num_blocks, num_blocks * cache.block_size
+            logger.info("%sKV cache size: %s tokens", prefix, f"{largest:,}")
+        else:  # vLLM's count: the tokens every group could hold; block 0 is the null block
+            per_request = layout.blocks_per_request(self.max_model_len, cache.block_size, chunk)
+            usable = max(0, num_blocks - 1)
+            largest = layout.max_tokens(usable, cache.block_size, chunk)
+            tokens = usable // layout.num_groups * cache.block_size
+            logger.info("%sKV cache size: %s tokens (%s in one request: sliding-window layers "
+                        "keep their window only)", prefix, f"{tokens:,}", f"{largest:,}")
+            every_block = (cdiv(self.max_model_len, cache.block_size)
+                           * self.loaded.arch.num_hidden_layers
+                           * (block_bytes // layout.num_tensors))
+            logger.info("KV cache of one %s-token request: %.2f GiB (%.2f GiB with every block)",
+                        f"{self.max_model_len:,}", per_request * block_bytes / _GIB,
+                        every_block / _GIB)
+        self._check_fits(per_request, usable, block_bytes, available, largest)
         logger.info("Maximum concurrency for %s tokens per request: %.2fx",
-                    f"{self.max_model_len:,}", concurrency)
+                    f"{self.max_model_len:,}", usable / per_request)
         return num_blocks
+
+    def _kv_layout(self) -> KVCacheLayout | None:
+        """Layer groups with block tables of their own where the model has sliding-window
+        layers (vLLM's hybrid KV cache manager); None: every layer keeps every block. Off with
+        KV offloading, as vLLM's is with KV connectors, and under parallelism (not there yet)."""
+        arch, cache = self.loaded.arch, self.cache_config
+        layout = hybrid_layout(arch.layer_types, arch.sliding_window, self.max_model_len)
+        if layout is None or cache.disable_hybrid_kv_cache_manager:
+            return None
+        if cache.offload_bytes or self.executor is not None:
+            logger.info("Sliding-window layers keep every KV block: the hybrid KV cache manager "
+                        "does not support %s yet",
+                        "KV offloading" if cache.offload_bytes else "parallelism")
+            return None
+        logger.info("Hybrid KV cache manager: %s; blocks that leave every query's window are "
+                    "given back", layout.describe())
+        return layout
+
+    def _make_kv_cache_manager(self, offload: OffloadPool | None) -> KVCacheManager:
+        cache = self.cache_config
+        if self.kv_layout is None:
+            return KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                  offload)
+        return HybridKVCacheManager(self.num_blocks, cache.block_size, self.kv_layout,
+                                    cache.enable_prefix_caching)
 
     def _make_offload_pool(self) -> OffloadPool | None:
         """The second KV tier, if configured: as many blocks as its bytes hold."""
@@ -182,12 +225,11 @@ class EngineCore:
             block_bytes=self.runner.block_bytes(), flops_per_second=flops,
             copy_latency=latency, copy_bytes_per_second=bandwidth)
 
-    def _check_fits(self, num_blocks: int, block_bytes: int, available: int) -> None:
+    def _check_fits(self, needed_blocks: int, num_blocks: int, block_bytes: int, available: int,
+                    largest: int) -> None:
         """One request of max_model_len tokens must fit, or we fail now rather than hang later."""
-        needed_blocks = cdiv(self.max_model_len, self.cache_config.block_size)
         if num_blocks >= needed_blocks:
             return
-        largest = num_blocks * self.cache_config.block_size
         raise ValueError(
             f"To serve at least one request with the model's max seq len ({self.max_model_len}), "
             f"{needed_blocks * block_bytes / _GIB:.2f} GiB KV cache is needed, which is larger "

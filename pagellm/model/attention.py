@@ -16,7 +16,7 @@ preemption (the decode kernel sums in another order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class AttentionGroup:
     query_starts: torch.Tensor  # [B] flat token index of each request's first query
     query_lens: torch.Tensor  # [B]
     block_size: int
+    members: tuple[int, ...] = ()  # the step's requests in this group, by index
     all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
     prefill_kernel: bool = False  # single queries too go through the prefill kernel
     # torch ops' masks of sliding-window layers, by window size, built on first use
@@ -79,6 +80,31 @@ class AttentionMetadata:
     # the tokens whose K/V is written, where some are not (positions recomputed for prompt
     # logprobs whose K/V is already in shared prefix-cache blocks); slot_mapping is theirs
     kv_write_rows: torch.Tensor | None = None
+    # with layer groups of their own block tables (sliding-window layers, HybridKVCacheManager):
+    # each layer's metadata, by layer index; None: every layer reads these block tables
+    layer_metadata: list["AttentionMetadata"] | None = None
+
+    def for_layer(self, index: int) -> "AttentionMetadata":
+        return self if self.layer_metadata is None else self.layer_metadata[index]
+
+
+def with_block_tables(metadata: AttentionMetadata, block_tables: list[list[int]],
+                      slot_mapping: torch.Tensor) -> AttentionMetadata:
+    """The same step over another layer group's block tables and slots: the same queries,
+    positions and masks (tables of one length, so key positions line up)."""
+    groups = [replace(group, block_tables=_block_table(
+        group.members, block_tables, group.block_tables.shape[1], slot_mapping.device))
+        for group in metadata.groups]
+    return replace(metadata, slot_mapping=slot_mapping, groups=groups, layer_metadata=None)
+
+
+def _block_table(members: tuple[int, ...], block_tables: list[list[int]], max_blocks: int,
+                 device: torch.device) -> torch.Tensor:
+    table = np.zeros((len(members), max_blocks), dtype=np.int64)
+    for row, i in enumerate(members):
+        blocks = block_tables[i][:max_blocks]
+        table[row, : len(blocks)] = blocks
+    return torch.from_numpy(table).to(device)
 
 
 def build_attention_metadata(
@@ -121,17 +147,12 @@ def _build_group(
     q_lens = np.array([query_lens[i] for i in members], dtype=np.int64)
     s_lens = np.array([seq_lens[i] for i in members], dtype=np.int64)
     starts = query_starts[members]
-    num_reqs, max_q = len(members), int(q_lens.max())
+    max_q = int(q_lens.max())
     max_blocks = int(-(-s_lens.max() // block_size))
 
     offsets = np.arange(max_q, dtype=np.int64)
     valid = offsets[None, :] < q_lens[:, None]
     query_index = np.where(valid, starts[:, None] + offsets[None, :], 0)
-
-    table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-    for row, i in enumerate(members):
-        blocks = block_tables[i][:max_blocks]
-        table[row, : len(blocks)] = blocks
 
     mask = None
     if not _kernels_attend(device) and (max_q == 1 or np.any(s_lens > q_lens)):
@@ -143,7 +164,7 @@ def _build_group(
     token_index = query_index.reshape(-1)[flat_valid]
     return AttentionGroup(
         query_index=torch.from_numpy(query_index).to(device),
-        block_tables=torch.from_numpy(table).to(device),
+        block_tables=_block_table(tuple(members), block_tables, max_blocks, device),
         seq_lens=torch.from_numpy(s_lens).to(device),
         mask=mask,
         valid_slots=torch.from_numpy(flat_valid).to(device),
@@ -151,6 +172,7 @@ def _build_group(
         query_starts=torch.from_numpy(starts).to(device),
         query_lens=torch.from_numpy(q_lens).to(device),
         block_size=block_size,
+        members=tuple(members),
         all_tokens_in_order=bool(np.array_equal(token_index, np.arange(sum(query_lens)))),
     )
 

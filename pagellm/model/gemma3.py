@@ -203,7 +203,8 @@ class Gemma3Model(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             angles = local_angles if layer.is_sliding else global_angles
             rows = output_rows if index == last else None
-            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata, rows)
+            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata.for_layer(index),
+                                     rows)
         return self.norm(hidden, residual)[0]
 
 

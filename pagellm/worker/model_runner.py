@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagellm.core.kv_layout import KVCacheLayout
 from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, ScheduledRequest,
                                       SchedulerOutput)
 from pagellm.kernels import cpu_kernels_available
@@ -34,6 +35,7 @@ from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_m
 from pagellm.sample.metadata import build_token_mask
 from pagellm.sample.prompt_logprobs import hand_out_prompt_logprobs, score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
+from pagellm.worker.kv_groups import layer_metadata
 
 if TYPE_CHECKING:
     from pagellm.lora.manager import LoRAModelManager
@@ -54,6 +56,7 @@ class StepChunk:
     score_offset: int = 0  # the first of its tokens whose logits score the next prompt token
     score_targets: tuple[int, ...] = ()  # those next prompt tokens, one per scored token
     num_prompt_logprobs: int = 0  # the top-k of each scored token
+    group_block_ids: tuple[list[int], ...] = ()  # the block tables of layer groups 1..
 
 
 def _chunk_tokens(item: ScheduledRequest) -> list[int]:
@@ -68,7 +71,8 @@ def _step_chunk(item: ScheduledRequest) -> StepChunk:
     top = request.sampling_params.prompt_logprobs or 0
     return StepChunk(_chunk_tokens(item), item.start, request.block_ids, item.num_samples,
                      item.num_draft_tokens, reused, max(0, item.score_start - item.start),
-                     tuple(item.score_targets), top if item.num_scored else 0)
+                     tuple(item.score_targets), top if item.num_scored else 0,
+                     tuple(request.group_block_ids))
 
 
 def step_chunks(step: SchedulerOutput) -> list[StepChunk]:
@@ -112,6 +116,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[torch.Tensor] = []
         self.offload_caches: list[torch.Tensor] = []
+        self.kv_layout: KVCacheLayout | None = None  # set by the engine core: layer groups
         self.sampler = Sampler()
         # fills the step's grammar bitmasks while the forward runs (the libraries release the GIL)
         self._token_masks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-mask")
@@ -123,11 +128,15 @@ class ModelRunner:
                         if cpu_kernels_available() else "torch ops (no CPU kernel)")
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers: 2 x block_size x kv_heads x head_dim x dtype x layers."""
+        """Bytes of one block across its KV tensors (one a layer, or, with `kv_layout`, one a
+        layer of a group): 2 x block_size x kv_heads x head_dim x dtype x tensors."""
         arch = self.arch
         element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return (2 * self.block_size * arch.num_key_value_heads * arch.head_dim * element
-                * arch.num_hidden_layers)
+                * self._num_kv_tensors())
+
+    def _num_kv_tensors(self) -> int:
+        return self.arch.num_hidden_layers if self.kv_layout is None else self.kv_layout.num_tensors
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         arch = self.arch
@@ -136,16 +145,17 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly; on
         CPU in 2 MiB pages, which spare decode attention a TLB miss per block, faulted in by a
-        thread while the engine starts serving."""
-        shape = self._cache_shape(num_blocks)
-        layers = range(self.arch.num_hidden_layers)
+        thread while the engine starts serving. With `kv_layout`, layers share tensors."""
+        shape, tensors = self._cache_shape(num_blocks), range(self._num_kv_tensors())
         if self.device.type != "cpu":
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                              for _ in layers]
-            return
-        self.kv_caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype, fault_in=False)
-                          for _ in layers]
-        fault_in_background(self.kv_caches)
+            caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                      for _ in tensors]
+        else:
+            caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype, fault_in=False)
+                      for _ in tensors]
+            fault_in_background(caches)
+        self.kv_caches = (caches if self.kv_layout is None else
+                          [caches[tensor] for tensor in self.kv_layout.layer_tensors])
 
     def allocate_offload_cache(self, num_blocks: int, path: str | None = None) -> None:
         """The second tier, laid out per layer like the first: in host memory (pinned when the
@@ -274,6 +284,9 @@ class ModelRunner:
             torch.from_numpy(slot_mapping).to(device), self.block_size, device,
             self.batch_invariant,
             None if write_rows is None else torch.from_numpy(write_rows).to(device))
+        if self.kv_layout is not None:
+            metadata.layer_metadata = layer_metadata(metadata, self.kv_layout, chunks, positions,
+                                                     write_rows, self.block_size)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(np.concatenate(positions)).to(device),
