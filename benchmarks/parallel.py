@@ -7,6 +7,9 @@ On a machine of 2 cores this is the honest cost of the communication: two ranks 
 each against one process of two threads. The embedded SmolLM2-135M has 9 query heads, so
 its tensor parallel sizes are 1, 3 and 9 (`tp3`); pass `--model` for another.
 
+`overlap` is the share of an engine's batches launched while another was in flight: under
+pipeline parallelism, how often the stages computed at once (`-` without a batch queue).
+
     python benchmarks/parallel.py --layouts tp1,tp3,pp2,dp2 --concurrency 1,64
 """
 
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +31,7 @@ from server_utils import cli_env, free_port  # noqa: E402
 from server_health import wait_healthy  # noqa: E402
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_itl_ms")
+_BATCH_COUNTERS = ("pagellm:pipeline_batches_total", "pagellm:pipeline_overlapped_batches_total")
 
 
 def layout_flags(layout: str) -> list[str]:
@@ -68,6 +73,24 @@ def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -
     return json.loads((folder / name).read_text())
 
 
+def _batch_counts(url: str) -> tuple[float, float]:
+    """The engine cores' (batches, batches launched while another was in flight) so far:
+    under pipeline parallelism their ratio is the share of batches the stages overlapped."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals = {name: 0.0 for name in _BATCH_COUNTERS}
+    for line in text.splitlines():
+        name = line.partition("{")[0].partition(" ")[0]
+        if name in totals:
+            totals[name] += float(line.rpartition(" ")[2])
+    return totals[_BATCH_COUNTERS[0]], totals[_BATCH_COUNTERS[1]]
+
+
+def _overlap(before: tuple[float, float], after: tuple[float, float]) -> str:
+    batches = after[0] - before[0]
+    return f"{(after[1] - before[1]) / batches:.2f}" if batches else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
@@ -83,15 +106,19 @@ def main() -> None:
     print(f"parallel layouts on {args.model or 'the embedded model'}: {args.input_len} in / "
           f"{args.output_len} out, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start")
-    print(f"{'layout':>8} {'streams':>7} " + " ".join(f"{m:>18}" for m in METRICS))
+    print(f"{'layout':>8} {'streams':>7} " + " ".join(f"{m:>18}" for m in METRICS)
+          + f" {'overlap':>8}")
     with tempfile.TemporaryDirectory() as folder:
         for layout in args.layouts.split(","):
             process, url = _serve(args, layout)
             try:
                 for concurrency in concurrencies:
+                    before = _batch_counts(url)
                     result = _bench(url, concurrency, args, Path(folder))
+                    overlap = _overlap(before, _batch_counts(url))
                     print(f"{layout:>8} {concurrency:>7} " +
-                          " ".join(f"{result[m]:>18.2f}" for m in METRICS), flush=True)
+                          " ".join(f"{result[m]:>18.2f}" for m in METRICS) +
+                          f" {overlap:>8}", flush=True)
             finally:
                 process.terminate()
                 process.wait(timeout=30)

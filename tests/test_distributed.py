@@ -12,7 +12,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.group import PreflightError
-from pagellm.worker.model_runner import StepChunk
+from pagellm.worker.step_chunk import StepChunk
 
 PROMPTS = ["The quick brown fox", "Hello! How are you today? I am"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -95,6 +95,13 @@ def test_embedded_gguf_under_tensor_parallelism(smollm2_gguf: Path,
     single = make_llm(smollm2_gguf)
     parallel = make_llm(smollm2_gguf, tensor_parallel_size=3)
     assert _greedy(parallel) == _greedy(single)
+
+
+def test_embedded_gguf_under_pipeline_parallelism(smollm2_gguf: Path,
+                                                  make_llm: Callable[..., LLM]) -> None:
+    """SmolLM2's 30 layers in two stages of 15; the two prompts run as two batches, in
+    flight at once."""
+    _check_same(make_llm(smollm2_gguf), make_llm(smollm2_gguf, pipeline_parallel_size=2))
 
 
 def test_heads_that_do_not_divide_are_refused(smollm2_gguf: Path) -> None:

@@ -167,4 +167,10 @@ class SchedulerStats:
     block_map: BlockMap | None = None  # the engine view's picture, at most once a second
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
     lora: "LoRAStats | None" = None  # with --enable-lora
+    # pipeline parallelism (the engine core's batch queue): the batches in flight after this
+    # step launched one; cumulative: the batches launched, and those launched while another
+    # was in flight (so the stages computed them at once)
+    batches_in_flight: int = 0
+    num_batches: int = 0
+    num_overlapped_batches: int = 0
 

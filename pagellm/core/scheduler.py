@@ -32,10 +32,13 @@ from pagellm.sample.sampler import TokenLogprobs
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 swap_cost: SwapCostModel | None = None) -> None:
+                 swap_cost: SwapCostModel | None = None, max_concurrent_batches: int = 1) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.swap_cost = swap_cost
+        self.max_concurrent_batches = max_concurrent_batches
+        # ids of the requests in batches scheduled but not yet updated (pipeline parallelism)
+        self.in_flight: set[str] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -56,21 +59,44 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        self._step_generation_tokens = 0
+        limit = self._batch_limit()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, limit)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
-        if output.is_empty and self.waiting and self._release_waiting_blocks():
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, limit)
+        if (output.is_empty and self.waiting and not self.in_flight
+                and self._release_waiting_blocks()):
+            self._schedule_waiting(output, budget, limit)
         output.kv_stores, output.kv_loads = self.kv.take_transfers()
         self._step_prompt_tokens = sum(
             min(s.num_tokens, max(0, s.request.num_prompt_tokens - s.start)) for s in output.scheduled)
+        if self.max_concurrent_batches > 1:
+            self.in_flight.update(s.request.request_id for s in output.scheduled)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+    def _batch_limit(self) -> int:
+        """The requests one batch may take. With several batches in flight (pipeline
+        parallelism) a request runs in one at a time, so a batch takes an even share of
+        those that could run: one batch holding them all would leave the next nothing to
+        schedule until it returns, and the stages would take turns again."""
+        if self.max_concurrent_batches == 1:
+            return self.config.max_num_seqs
+        could_run = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-could_run // self.max_concurrent_batches))
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int, limit: int) -> int:
+        """Running requests in admission order; one in a batch still in flight has nothing
+        to run before its result comes back (a decode waits for its token; a prefill's next
+        chunk waits too, as its computed count advances with the result)."""
+        in_flight = self.in_flight
+        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1
+                              and r.request_id not in in_flight)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(output.scheduled) < limit:
             request = self.running[index]
+            index += 1
+            if request.request_id in in_flight:
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             num_drafts = 0
             if remaining == 1:
@@ -85,7 +111,6 @@ class Scheduler:
             self.kv.allocate_slots(request, num_tokens)
             output.scheduled.append(ScheduledRequest.for_chunk(request, num_tokens, num_drafts))
             budget -= num_tokens
-            index += 1
         return budget
 
     def _num_drafts(self, request: Request, spare_budget: int) -> int:
@@ -133,16 +158,18 @@ class Scheduler:
     def _next_waiting(self) -> Request | None:
         """The first waiting request that can run: one whose grammar still compiles is passed
         over, so it holds up no one behind it, and so is one whose LoRA adapter would make
-        the running requests' distinct adapters more than max_loras."""
+        the running requests' distinct adapters more than max_loras, and so is one preempted
+        while its batch is in flight (until that batch's result, dropped, comes back)."""
+        ready = (r for r in self.waiting if r.schedulable and r.request_id not in self.in_flight)
         if not self.config.max_loras:
-            return next((r for r in self.waiting if r.schedulable), None)
+            return next(ready, None)
         active = {r.lora_key for r in self.running} - {0}
         room = len(active) < self.config.max_loras
-        return next((r for r in self.waiting if r.schedulable
-                     and (room or r.lora_key in active or not r.lora_key)), None)
+        return next((r for r in ready if room or r.lora_key in active or not r.lora_key), None)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, limit: int) -> None:
+        while (budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(output.scheduled) < limit):
             request = self._next_waiting()
             if request is None:
                 break
@@ -174,12 +201,16 @@ class Scheduler:
 
     def update_from_output(self, scheduled: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish requests that are done."""
+        """Advance computed counts, append sampled tokens, finish requests that are done. A
+        request finished, aborted or preempted while its batch was in flight (its blocks
+        freed then) is no longer running: its late result is dropped."""
         updates: list[RequestUpdate] = []
-        self._step_generation_tokens = 0
         self.transfers.add(runner_output.transfers)
         for item in scheduled.scheduled:
             request = item.request
+            self.in_flight.discard(request.request_id)
+            if request.status != RequestStatus.RUNNING:
+                continue
             request.num_computed_tokens += item.num_tokens
             if item.num_scored:
                 request.prompt_logprobs.extend(runner_output.prompt_logprobs[request.request_id])

@@ -36,7 +36,8 @@ from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.worker.model_runner import ModelRunner, StepChunk, StepInputs
+from pagellm.worker.model_runner import ModelRunner, StepInputs
+from pagellm.worker.step_chunk import StepChunk
 
 logger = init_logger(__name__)
 _WATCH_SECONDS = 0.5
@@ -231,6 +232,11 @@ class MultiprocExecutor:
                     os._exit(1)
                 return
             time.sleep(_WATCH_SECONDS)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core keeps in flight: one per pipeline stage (see EngineCore)."""
+        return self.info.pp_size
 
     def max_layers_per_stage(self, arch: ArchConfig) -> int:
         return max(layer_partition(arch.num_hidden_layers, self.info.pp_size))

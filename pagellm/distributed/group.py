@@ -93,11 +93,13 @@ class ParallelGroup:
         dist.gather(local, parts, dst=self.tp_root, group=self.tp_group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
-    def send_next(self, tensor: torch.Tensor) -> None:
-        dist.send(tensor.contiguous(), self.info.rank + self.info.tp_size)
+    def send_next(self, tensor: torch.Tensor, tag: int = 0) -> dist.Work:
+        """Start sending to the next stage, without waiting; the caller keeps `tensor` until
+        the work is done."""
+        return dist.isend(tensor, self.info.rank + self.info.tp_size, tag=tag)
 
-    def recv_previous(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.recv(tensor, self.info.rank - self.info.tp_size)
+    def recv_previous(self, tensor: torch.Tensor, tag: int = 0) -> torch.Tensor:
+        dist.recv(tensor, self.info.rank - self.info.tp_size, tag=tag)
         return tensor
 
 

@@ -21,6 +21,9 @@ from pagellm.distributed.sharding import ShardLayout
 from pagellm.model.attention import AttentionMetadata
 from pagellm.model.llama import LlamaForCausalLM
 
+# each message between two ranks has its own tag, so none is ever taken for another
+_HIDDEN_TAG, _RESIDUAL_TAG, _LOGITS_TAG = 0, 1, 2
+
 
 class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, start + rows) of the padded vocabulary; other ids look up zeros, and the
@@ -48,6 +51,8 @@ class ParallelCausalLM(nn.Module):
         super().__init__()
         self.net, self.layout, self.group = net, layout, group
         self.vocab_size = layout.arch.vocab_size
+        # the last step's hidden states and residual, with their sends to the next stage
+        self._sends: list[tuple[torch.Tensor, dist.Work]] = []
         embedding = net.model.embed_tokens
         assert isinstance(embedding, VocabParallelEmbedding)
         embedding.group = group
@@ -69,23 +74,33 @@ class ParallelCausalLM(nn.Module):
             hidden, residual = inner.embed_tokens(input_ids), None
         else:
             shape = (input_ids.shape[0], self.layout.arch.hidden_size)
-            hidden = self.group.recv_previous(self._empty(shape))
-            residual = self.group.recv_previous(self._empty(shape))
+            hidden = self.group.recv_previous(self._empty(shape), tag=_HIDDEN_TAG)
+            residual = self.group.recv_previous(self._empty(shape), tag=_RESIDUAL_TAG)
         rows = output_rows if info.is_last_stage else None
         hidden, residual = inner.run_layers(hidden, residual, positions, kv_caches, metadata,
                                             rows)
         if info.is_last_stage:
             return inner.norm(hidden, residual)[0]
         assert residual is not None
-        self.group.send_next(hidden)
-        self.group.send_next(residual)
+        self._send_next(hidden.contiguous(), residual.contiguous())
         return hidden if output_rows is None else hidden[output_rows]
+
+    def _send_next(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Send without waiting, so that under the engine core's batch queue rank 0 goes on
+        to the next step while the next stage computes this one; the previous step's sends
+        are waited for first (they are done by then, or close), so at most one step's are in
+        the air and each tag has one message outstanding."""
+        for _, work in self._sends:
+            work.wait()
+        self._sends = [(hidden, self.group.send_next(hidden, tag=_HIDDEN_TAG)),
+                       (residual, self.group.send_next(residual, tag=_RESIDUAL_TAG))]
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=self.net.model.norm.weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The full vocabulary's logits on rank 0; None on every other rank."""
+        """The full vocabulary's logits on rank 0; None on every other rank. Rank 0 receives
+        them when it asks (under the batch queue: when it waits for the step's result)."""
         info = self.group.info
         last_root = (info.pp_size - 1) * info.tp_size
         if info.is_last_stage:
@@ -95,12 +110,12 @@ class ParallelCausalLM(nn.Module):
             logits = logits[:, :self.vocab_size]
             if info.rank == 0:
                 return logits
-            dist.send(logits.float().contiguous(), 0)
+            dist.send(logits.float().contiguous(), 0, tag=_LOGITS_TAG)
             return None
         if info.rank != 0:
             return None
         logits = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32)
-        dist.recv(logits, last_root)
+        dist.recv(logits, last_root, tag=_LOGITS_TAG)
         return logits.to(hidden.dtype)
 
     def weight_bytes(self) -> int:

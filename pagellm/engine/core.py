@@ -6,6 +6,7 @@ It deals in `Request` objects and token ids only; text lives outside it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import torch
@@ -32,7 +33,7 @@ from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.decoder import SpecDecoder, load_draft_model
 from pagellm.structured_outputs.manager import StructuredOutputManager
 from pagellm.structured_outputs.params import StructuredOutputsConfig
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
@@ -88,7 +89,13 @@ class EngineCore:
         measure = offload is not None and scheduler_config.preemption_mode == "auto"
         swap_cost = self._measure_swap_cost() if measure else None
         kv_cache_manager = self._make_kv_cache_manager(offload)
-        self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost)
+        # pipeline parallelism: up to one batch in flight per stage (step_with_batch_queue)
+        self.batch_queue_size = (1 if self.executor is None
+                                 else self.executor.max_concurrent_batches)
+        self.batch_queue: deque[LaunchedStep] = deque()
+        self.num_batches = self.num_overlapped_batches = 0
+        self.scheduler = Scheduler(scheduler_config, kv_cache_manager, swap_cost,
+                                   self.batch_queue_size)
         self.spec_decoder = (self._make_spec_decoder(speculative_config, model_config,
                                                      kv_cache_dtype)
                              if speculative_config is not None else None)
@@ -274,9 +281,12 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._failed) or self.scheduler.has_unfinished_requests()
+        return (bool(self._failed) or self.scheduler.has_unfinished_requests()
+                or bool(self.batch_queue))
 
     def step(self) -> tuple[list[RequestUpdate], SchedulerStats]:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         failed = self._finish_failed_grammars() + self._finish_failed_loras()
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running, set(self.scheduler.requests))
@@ -290,6 +300,29 @@ class EngineCore:
             self.spec_decoder.observe(scheduled, runner_output, time.perf_counter() - start)
         updates = self.scheduler.update_from_output(scheduled, runner_output)
         return failed + updates, self.make_stats()
+
+    def step_with_batch_queue(self) -> tuple[list[RequestUpdate], SchedulerStats]:
+        """A step under pipeline parallelism: schedule a batch (of requests not in flight)
+        and launch it without waiting (stage 0 computes it here and sends its hidden states
+        on, while the later stages compute the batches before it); only when the queue is as
+        deep as the pipeline, or nothing more could be scheduled, wait for the oldest batch's
+        logits from the last stage, sample it and update the scheduler."""
+        updates = self._finish_failed_grammars() + self._finish_failed_loras()
+        scheduled = self.scheduler.schedule()
+        launched = not scheduled.is_empty or scheduled.has_transfers
+        if launched:
+            self.num_overlapped_batches += bool(self.batch_queue)
+            self.num_batches += 1
+            self.batch_queue.append(self.runner.launch(scheduled))
+        depth = len(self.batch_queue)
+        if depth == self.batch_queue_size or (depth and not launched):
+            oldest = self.batch_queue.popleft()
+            updates += self.scheduler.update_from_output(oldest.step, self.runner.finish(oldest))
+        elif not launched:
+            self.structured_outputs.wait_for_any(list(self.scheduler.waiting))
+        stats = self.make_stats()
+        stats.batches_in_flight = depth
+        return updates, stats
 
     def _finish_failed_grammars(self) -> list[RequestUpdate]:
         """Waiting requests whose grammar failed to compile (or timed out) end as aborted."""
@@ -314,6 +347,9 @@ class EngineCore:
         """The scheduler's record, with a map of the KV blocks once a second and whenever the
         engine falls idle (so the last map shown is never one of a busy cache)."""
         stats = self.scheduler.make_stats()
+        stats.batches_in_flight = len(self.batch_queue)
+        stats.num_batches = self.num_batches
+        stats.num_overlapped_batches = self.num_overlapped_batches
         if self.spec_decoder is not None:
             stats.spec_decoding = self.spec_decoder.stats.copy()
         if self.lora is not None:

@@ -206,6 +206,7 @@ class PrometheusStatLogger:
         gauge, counter, histogram = _for_engine(factory, engine)
         self._offload: _OffloadMetrics | None = None
         self._spec_decoding: SpecDecodingProm | None = None
+        self._batches: tuple[Counter, Counter] | None = None  # under pipeline parallelism
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -283,11 +284,26 @@ class PrometheusStatLogger:
                 self._spec_decoding = SpecDecodingProm(self._make, self.engine,
                                                        stats.spec_decoding.num_spec_tokens)
             self._spec_decoding.record(stats.spec_decoding)
+        if stats.num_batches:
+            self._count_batches(stats, previous)
         if stats.lora is not None:
             if self._lora is None:
                 self._lora = LoRAMetrics(self._make, self.engine)
             self._lora.record(stats.lora)
         self._previous = stats
+
+    def _count_batches(self, stats: SchedulerStats, previous: SchedulerStats) -> None:
+        """The batch queue's batches, and those launched while another was in flight: their
+        ratio is how much of the time the pipeline stages computed at once."""
+        if self._batches is None:
+            counter = _for_engine(self._make, self.engine)[1]
+            self._batches = (
+                counter("pagellm:pipeline_batches", "Batches the engine core launched."),
+                counter("pagellm:pipeline_overlapped_batches",
+                        "Batches launched while another was in flight (pipeline parallelism)."))
+        launched, overlapped = self._batches
+        launched.inc(stats.num_batches - previous.num_batches)
+        overlapped.inc(stats.num_overlapped_batches - previous.num_overlapped_batches)
 
     def log(self) -> None:
         """Prometheus is scraped, not pushed."""

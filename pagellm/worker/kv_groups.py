@@ -14,7 +14,7 @@ from pagellm.core.kv_layout import KVCacheLayout
 from pagellm.model.attention import AttentionMetadata, with_block_tables
 
 if TYPE_CHECKING:
-    from pagellm.worker.model_runner import StepChunk
+    from pagellm.worker.step_chunk import StepChunk
 
 
 def layer_metadata(metadata: AttentionMetadata, layout: KVCacheLayout,

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagellm.core.kv_layout import KVCacheLayout
-from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, ScheduledRequest,
-                                      SchedulerOutput)
+from pagellm.core.sched_output import KVTransferStats, ModelRunnerOutput, SchedulerOutput
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
@@ -32,51 +31,16 @@ from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import fault_in_background, zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
-from pagellm.sample.metadata import build_token_mask
+from pagellm.sample.metadata import TokenMaskMetadata, build_token_mask
 from pagellm.sample.prompt_logprobs import hand_out_prompt_logprobs, score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
 from pagellm.worker.kv_groups import layer_metadata
+from pagellm.worker.step_chunk import StepChunk, step_chunks
 
 if TYPE_CHECKING:
     from pagellm.lora.manager import LoRAModelManager
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True)
-class StepChunk:
-    """One scheduled chunk in integers: all a rank needs to run it (no request object)."""
-
-    token_ids: list[int]  # speculative drafts, if any, last
-    start: int
-    block_ids: list[int]
-    num_samples: int
-    num_draft_tokens: int = 0  # each draft position is sampled (verified) too
-    num_kv_reused: int = 0  # leading tokens whose K/V is in shared cached blocks: not written
-    score_offset: int = 0  # the first of its tokens whose logits score the next prompt token
-    score_targets: tuple[int, ...] = ()  # those next prompt tokens, one per scored token
-    num_prompt_logprobs: int = 0  # the top-k of each scored token
-    group_block_ids: tuple[list[int], ...] = ()  # the block tables of layer groups 1..
-
-
-def _chunk_tokens(item: ScheduledRequest) -> list[int]:
-    request, drafts = item.request, item.num_draft_tokens
-    known = request.all_token_ids[item.start:item.start + item.num_tokens - drafts]
-    return known + request.draft.token_ids[:drafts] if drafts else known
-
-
-def _step_chunk(item: ScheduledRequest) -> StepChunk:
-    request = item.request
-    reused = min(max(0, request.num_kv_reused_tokens - item.start), item.num_tokens)
-    top = request.sampling_params.prompt_logprobs or 0
-    return StepChunk(_chunk_tokens(item), item.start, request.block_ids, item.num_samples,
-                     item.num_draft_tokens, reused, max(0, item.score_start - item.start),
-                     tuple(item.score_targets), top if item.num_scored else 0,
-                     tuple(request.group_block_ids))
-
-
-def step_chunks(step: SchedulerOutput) -> list[StepChunk]:
-    return [_step_chunk(item) for item in step.scheduled]
 
 
 @dataclass
@@ -100,6 +64,19 @@ class StepLogits:
 
     sampling: torch.Tensor | None = None
     prompt: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step between `launch` and `finish`: its inputs and this rank's forward output (the
+    output rows' hidden states), the sampling rows and their owners, the grammar masks."""
+
+    step: SchedulerOutput
+    output: ModelRunnerOutput
+    forward: tuple[StepInputs, torch.Tensor] | None = None  # None: nothing to compute
+    rows: list[SamplingRow] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)
+    token_mask: Future[TokenMaskMetadata | None] | None = None
 
 
 class ModelRunner:
@@ -330,8 +307,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute(self, chunks: list[StepChunk], lora_slots: np.ndarray | None = None) -> StepLogits:
-        """Run the step's forward. `lora_slots`: each token's adapter slot, with --enable-lora.
-        Every rank makes the same LM-head calls: under parallelism they are collective."""
+        """Run the step's forward and LM head. `lora_slots`: each token's adapter slot, with
+        --enable-lora. Every rank makes the same LM-head calls: under parallelism they are
+        collective."""
+        return self._logits(*self._forward(chunks, lora_slots))
+
+    def _forward(self, chunks: list[StepChunk],
+                 lora_slots: np.ndarray | None) -> tuple[StepInputs, torch.Tensor]:
         inputs = self.prepare_inputs(chunks)
         if lora_slots is not None:
             self.lora.set_step(lora_slots, inputs.output_rows)
@@ -341,6 +323,9 @@ class ModelRunner:
         finally:
             if lora_slots is not None:
                 self.lora.end_step()
+        return inputs, hidden
+
+    def _logits(self, inputs: StepInputs, hidden: torch.Tensor) -> StepLogits:
         result = StepLogits()
         num_sampling = inputs.num_sampling_rows
         if num_sampling:
@@ -353,33 +338,50 @@ class ModelRunner:
                                               inputs.score_targets, inputs.score_top or [])
         return result
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        output = ModelRunnerOutput(transfers=self._transfer(step))
+        return self.finish(self.launch(step))
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        """The step up to the end of this rank's forward (under pipeline parallelism, stage 0's:
+        its hidden states are then on their way to the next stage, and the engine core's batch
+        queue may launch another step before it finishes this one)."""
+        launched = LaunchedStep(step, ModelRunnerOutput(transfers=self._transfer(step)))
         if step.is_empty:
-            return output
+            return launched
         lora_slots = None
         if self.lora is not None:  # each item's adapter slot, then each token's
             slots = self.lora.activate([s.request.lora for s in step.scheduled])
             lora_slots = np.repeat(slots, [s.num_tokens for s in step.scheduled])
-        rows, owners = self._sampling_rows(step)
-        token_mask = None
-        if any(row.grammar is not None for row in rows):
-            token_mask = self._token_masks.submit(build_token_mask, rows, self.arch.vocab_size,
-                                                  self.device)
+        launched.rows, launched.owners = self._sampling_rows(step)
+        if any(row.grammar is not None for row in launched.rows):
+            launched.token_mask = self._token_masks.submit(
+                build_token_mask, launched.rows, self.arch.vocab_size, self.device)
         try:
-            computed = self.compute(step_chunks(step), lora_slots)
-        finally:  # the matchers are the scheduler's again once this step returns
-            if token_mask is not None:
-                wait([token_mask])
+            launched.forward = self._forward(step_chunks(step), lora_slots)
+        finally:  # the matchers are the scheduler's again once this returns
+            if launched.token_mask is not None:
+                wait([launched.token_mask])
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """The launched step's logits (under pipeline parallelism, received from the last
+        stage), its prompt logprobs and its sampled tokens."""
+        step, output = launched.step, launched.output
+        if launched.forward is None:
+            return output
+        computed = self._logits(*launched.forward)
         if computed.prompt is not None:
             hand_out_prompt_logprobs(step, computed.prompt, output.prompt_logprobs)
         logits = computed.sampling
         if logits is None:
             return output
-        metadata = build_sampling_metadata(rows, logits.shape[-1], self.device, token_mask)
+        metadata = build_sampling_metadata(launched.rows, logits.shape[-1], self.device,
+                                           launched.token_mask)
         sampled = self.sampler(logits, metadata, self.generator)
-        for request_id, token_id, logprob in zip(owners, sampled.token_ids, sampled.logprobs):
+        for request_id, token_id, logprob in zip(launched.owners, sampled.token_ids,
+                                                 sampled.logprobs):
             output.sampled.setdefault(request_id, []).append(token_id)
             output.logprobs.setdefault(request_id, []).append(logprob)
         if step.has_drafts:
