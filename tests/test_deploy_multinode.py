@@ -166,11 +166,11 @@ def test_worker_joins_the_head_service(tmp_path: Path) -> None:
     """The runtime's worker command, run by bash as the pod runs it."""
     command = _worker_spec(RUNTIME)["containers"][0]["command"]
     script = command[2].replace("pagellm-ray-worker", f"bash {WORKER_SCRIPT}")
-    env = _pod_env(tmp_path, nodes=1, ISVC_NAME="llama3", POD_NAMESPACE="llm")
+    env = _pod_env(tmp_path, nodes=1, HEAD_SVC="llama3-head-1", POD_NAMESPACE="llm")
     result = subprocess.run(["bash", "-c", script], text=True, capture_output=True, timeout=60,
                             env=env)
     assert result.returncode == 0, result.stderr
-    head = "llama3-head.llm.svc.cluster.local:6379"
+    head = "llama3-head-1.llm.svc.cluster.local:6379"
     assert (tmp_path / "calls").read_text().splitlines() == [
         f"ray health-check --address={head}",
         f"ray start --address={head} --num-cpus=4 --block"]

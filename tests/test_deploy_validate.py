@@ -15,7 +15,8 @@ from deploy_utils import DEPLOY, find, load, validator
 MANIFESTS = sorted([*(DEPLOY / "kubernetes").glob("*.yaml"), *(DEPLOY / "kserve").glob("*.yaml")])
 KSERVE = DEPLOY / "kserve"
 RUNTIMES = [*load(KSERVE / "pagellm-runtime.yaml"),
-            *load(KSERVE / "pagellm-multinode-runtime.yaml")]
+            *load(KSERVE / "pagellm-multinode-runtime.yaml"),
+            *load(KSERVE / "pagellm-multinode-mp-runtime.yaml")]
 
 
 def all_manifests() -> list[dict]:

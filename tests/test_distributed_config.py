@@ -22,7 +22,8 @@ def test_short_flags_and_defaults() -> None:
         "data_parallel_address", "data_parallel_rpc_port", "data_parallel_backend", "headless",
         "api_server_count", "distributed_executor_backend", "nnodes", "node_rank",
         "master_addr", "master_port")] == [1, 1, 1, None, 0, None, "127.0.0.1", 29550, "mp",
-                                           False, 1, None, 1, 0, "127.0.0.1", 29501]
+                                           False, 1, None, 1, None, "127.0.0.1", 29501]
+    assert ParallelArgs().parallel_config().node_rank == 0  # the head, unless --headless
     args = _engine_args("-tp", "2", "-pp", "3", "-dp", "4", "-dpl", "2", "-dpr", "2", "-dpn",
                         "1", "-dpa", "10.0.0.1", "-dpp", "13345", "-dpb", "ray", "--headless",
                         "--api-server-count", "8", "--nnodes", "2", "--node-rank", "1",

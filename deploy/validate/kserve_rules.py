@@ -11,6 +11,8 @@ _TARGETS = ("nodeName", "serviceName", "serviceUrl")
 _PARALLEL_ENV = ("TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE")
 _DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 _AUTOSCALER_CLASS = "serving.kserve.io/autoscalerClass"
+_EXECUTOR_BACKEND = "multinode/executor-backend"
+_EXECUTOR_BACKENDS = ("ray", "mp")
 
 
 def inference_graph_errors(graph: dict) -> list[str]:
@@ -67,6 +69,10 @@ def runtime_multinode_errors(runtime: dict) -> list[str]:
     errors = _parallel_env_errors([*spec.get("containers", []), *worker.get("containers", [])])
     if len(worker.get("containers", [])) > 1:
         errors.append("workerSpec: at most one worker container")
+    backend = (spec.get("annotations") or {}).get(_EXECUTOR_BACKEND, "ray")
+    if backend not in _EXECUTOR_BACKENDS:  # KServe would quietly lay the pods out for Ray
+        errors.append(f"spec.annotations {_EXECUTOR_BACKEND} must be ray or mp, got "
+                      f"{backend!r}")
     return errors
 
 

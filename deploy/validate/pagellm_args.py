@@ -6,7 +6,11 @@ the port the server listens on, and the model is a path the container can see (p
 downloads weights). The image's entrypoint is `pagellm serve --host 0.0.0.0 "$@"`
 (deploy/docker/entrypoint.sh), so a container without `command` gets those words first, and
 so does the multi-node head's `pagellm-ray-head` (deploy/docker/ray-head.sh), checked with
-the sizes the workerSpec makes KServe inject.
+the sizes the workerSpec makes KServe inject. A runtime annotated `multinode/executor-backend:
+mp` runs pagellm's own multi-node mode instead: the head `--nnodes` (the pipeline size, as
+KServe counts nodes in that mode) `--node-rank 0 --master-addr` its pod IP, each worker the
+same sizes `--headless` at the head's service, with no `--node-rank` (a Deployment's pods
+have no index: the head numbers the nodes as they join).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ ENTRYPOINT = ("serve", "--host", "0.0.0.0")
 # the multi-node images' scripts (deploy/docker/ray-*.sh): the head ends in the same words
 ENTRYPOINTS = {"pagellm-ray-head": ENTRYPOINT}
 WORKER_COMMAND = "pagellm-ray-worker"
+EXECUTOR_BACKEND_ANNOTATION = "multinode/executor-backend"  # on the runtime's spec; ray if unset
+HEAD_SERVICE_VARIABLE = "HEAD_SVC"  # what KServe names the head's (headless) Service in a worker
 _SIZE_ENV = ("TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE")
 HEALTH_PATH = "/health"
 KSERVE_MODEL_DIR = "/mnt/models"  # where KServe's storage initializer puts storageUri
@@ -79,7 +85,7 @@ def container_argv(container: dict, template_name: str = "model",
 
 
 def container_errors(container: dict, mounts: tuple[str, ...] = (),
-                     injected: dict[str, str] | None = None) -> list[str]:
+                     injected: dict[str, str] | None = None, backend: str = "ray") -> list[str]:
     where = f"container {container.get('name')!r}"
     try:
         argv = container_argv(container, injected=injected)
@@ -90,8 +96,8 @@ def container_errors(container: dict, mounts: tuple[str, ...] = (),
         return [f"{where}: {error} (args: {' '.join(argv)})"]
     if namespace.verb != "serve":
         return []
-    errors = _probe_errors(container, namespace.port) + _multinode_errors(where, namespace,
-                                                                          injected or {})
+    errors = _probe_errors(container, namespace.port) + _multinode_errors(
+        where, namespace, injected or {}, container, backend)
     visible = mounts + tuple(m["mountPath"] for m in container.get("volumeMounts", []))
     if namespace.model and not any(namespace.model.startswith(path) for path in visible):
         errors.append(f"{where}: model {namespace.model!r} is under no volume mount "
@@ -99,16 +105,15 @@ def container_errors(container: dict, mounts: tuple[str, ...] = (),
     return errors
 
 
-def _multinode_errors(where: str, namespace: argparse.Namespace,
-                      injected: dict[str, str]) -> list[str]:
-    """A head must run the sizes the workerSpec gives, with its ranks on Ray."""
+def _multinode_errors(where: str, namespace: argparse.Namespace, injected: dict[str, str],
+                      container: dict, backend: str) -> list[str]:
+    """A head must run the sizes the workerSpec gives, with its ranks on Ray or, on an mp
+    runtime, over pagellm's own nodes."""
     if not injected:
         return []
-    errors = [f"{where}: --{flag.replace('_', '-')} {getattr(namespace, flag)} differs from "
-              f"workerSpec's {injected[variable]}: pass ${variable}"
-              for flag, variable in (("tensor_parallel_size", "TENSOR_PARALLEL_SIZE"),
-                                     ("pipeline_parallel_size", "PIPELINE_PARALLEL_SIZE"))
-              if str(getattr(namespace, flag)) != injected[variable]]
+    errors = _size_errors(where, namespace, injected)
+    if backend == "mp":
+        return errors + _mp_head_errors(where, namespace, injected, container)
     world = int(injected["TENSOR_PARALLEL_SIZE"]) * int(injected["PIPELINE_PARALLEL_SIZE"])
     if world > 1 and namespace.distributed_executor_backend != "ray":
         errors.append(f"{where}: the workerSpec spreads {world} ranks over nodes, which "
@@ -116,13 +121,82 @@ def _multinode_errors(where: str, namespace: argparse.Namespace,
     return errors
 
 
-def worker_errors(container: dict) -> list[str]:
-    """A Ray worker joins the head and blocks (deploy/docker/ray-worker.sh); it never serves."""
+def _size_errors(where: str, namespace: argparse.Namespace,
+                 injected: dict[str, str]) -> list[str]:
+    return [f"{where}: --{flag.replace('_', '-')} {getattr(namespace, flag)} differs from "
+            f"workerSpec's {injected[variable]}: pass ${variable}"
+            for flag, variable in (("tensor_parallel_size", "TENSOR_PARALLEL_SIZE"),
+                                   ("pipeline_parallel_size", "PIPELINE_PARALLEL_SIZE"))
+            if str(getattr(namespace, flag)) != injected[variable]]
+
+
+def _mp_node_errors(where: str, namespace: argparse.Namespace,
+                    injected: dict[str, str]) -> list[str]:
+    """What head and workers share on an mp runtime: one node per pipeline stage (pagellm's
+    own checks refuse another executor with --nnodes)."""
+    pipeline = injected["PIPELINE_PARALLEL_SIZE"]
+    if str(namespace.nnodes) == pipeline:
+        return []
+    return [f"{where}: --nnodes {namespace.nnodes} differs from the node count of KServe's mp "
+            f"mode (the pipeline size, {pipeline}): pass $(PIPELINE_PARALLEL_SIZE)"]
+
+
+def _mp_head_errors(where: str, namespace: argparse.Namespace, injected: dict[str, str],
+                    container: dict) -> list[str]:
+    errors = _mp_node_errors(where, namespace, injected)
+    if namespace.headless or namespace.node_rank not in (None, 0):
+        errors.append(f"{where}: the head is node 0: --node-rank 0, not --headless")
+    pod_ip = [item["name"] for item in container.get("env", [])
+              if item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP"]
+    if namespace.master_addr not in {f"$({name})" for name in pod_ip}:
+        errors.append(f"{where}: --master-addr {namespace.master_addr} must be this pod's IP, "
+                      "$(POD_IP) with POD_IP from fieldRef status.podIP: the head listens "
+                      "there for the workers")
+    return errors
+
+
+def worker_errors(container: dict, backend: str = "ray", injected: dict[str, str] | None = None,
+                  head: argparse.Namespace | None = None) -> list[str]:
+    """A Ray worker joins the head and blocks (deploy/docker/ray-worker.sh); it never serves.
+    An mp worker is a headless pagellm node with the head's sizes and master port."""
+    where = f"worker container {container.get('name')!r}"
+    if backend == "mp":
+        return _mp_worker_errors(where, container, injected or {}, head)
     words = [*container.get("command", []), *container.get("args", [])]
     if not any(WORKER_COMMAND in word for word in words):
-        return [f"worker container {container.get('name')!r}: must run {WORKER_COMMAND} "
-                "HEAD:PORT, which joins the Ray head"]
+        return [f"{where}: must run {WORKER_COMMAND} HEAD:PORT, which joins the Ray head"]
     return []
+
+
+def _mp_worker_errors(where: str, container: dict, injected: dict[str, str],
+                      head: argparse.Namespace | None) -> list[str]:
+    kserve = {**injected, HEAD_SERVICE_VARIABLE: "model-head-1"}
+    try:
+        argv = container_argv(container, injected=kserve)
+    except ValueError as error:
+        return [f"{where}: {error}"]
+    namespace, error = parse_serve_args(argv)
+    if namespace is None:
+        return [f"{where}: {error} (args: {' '.join(argv)})"]
+    if namespace.verb != "serve" or not namespace.headless:
+        return [f"{where}: must run `pagellm serve ... --headless`, which joins the head"]
+    errors = _size_errors(where, namespace, injected) + _mp_node_errors(where, namespace,
+                                                                         injected)
+    if namespace.node_rank is not None:
+        errors.append(f"{where}: --node-rank {namespace.node_rank} would be every worker "
+                      "pod's (a Deployment's pods have no index): leave it out, the head "
+                      "numbers the nodes as they join")
+    if kserve[HEAD_SERVICE_VARIABLE] not in namespace.master_addr:
+        errors.append(f"{where}: --master-addr {namespace.master_addr} must name the head's "
+                      f"Service: $({HEAD_SERVICE_VARIABLE}).$(POD_NAMESPACE).svc.cluster.local")
+    if head is not None and namespace.master_port != head.master_port:
+        errors.append(f"{where}: --master-port {namespace.master_port} differs from the "
+                      f"head's {head.master_port}")
+    probe = " ".join(container.get("livenessProbe", {}).get("exec", {}).get("command", []))
+    if HEAD_SERVICE_VARIABLE not in probe or f"/{namespace.master_port}" not in probe:
+        errors.append(f"{where}: the livenessProbe must check the head's master port "
+                      f"({HEAD_SERVICE_VARIABLE}, port {namespace.master_port})")
+    return errors
 
 
 def parallel_env(worker_spec: dict | None, override: dict | None = None) -> dict[str, str]:
@@ -157,19 +231,37 @@ def _probe_errors(container: dict, port: int) -> list[str]:
 
 
 def pod_spec_errors(pod_spec: dict, mounts: tuple[str, ...] = (),
-                    injected: dict[str, str] | None = None) -> list[str]:
+                    injected: dict[str, str] | None = None, backend: str = "ray") -> list[str]:
     return [error for container in pod_spec.get("containers", [])
             if is_pagellm_image(container.get("image", ""))
-            for error in container_errors(container, mounts, injected)]
+            for error in container_errors(container, mounts, injected, backend)]
+
+
+def executor_backend(runtime_spec: dict) -> str:
+    """How a multi-node runtime spreads its ranks: KServe's annotation, Ray when unset."""
+    return (runtime_spec.get("annotations") or {}).get(EXECUTOR_BACKEND_ANNOTATION, "ray")
 
 
 def runtime_errors(spec: dict) -> list[str]:
     """A runtime's head containers with the env its own workerSpec implies, and its workers."""
     worker_spec = spec.get("workerSpec")
-    errors = pod_spec_errors(spec, (KSERVE_MODEL_DIR,), parallel_env(worker_spec))
+    injected, backend = parallel_env(worker_spec), executor_backend(spec)
+    errors = pod_spec_errors(spec, (KSERVE_MODEL_DIR,), injected, backend)
+    head = _head_namespace(spec, injected)
     return errors + [error for container in (worker_spec or {}).get("containers", [])
                      if is_pagellm_image(container.get("image", ""))
-                     for error in worker_errors(container)]
+                     for error in worker_errors(container, backend, injected, head)]
+
+
+def _head_namespace(spec: dict, injected: dict[str, str]) -> argparse.Namespace | None:
+    """The flags the runtime's pagellm head parses to, if it parses."""
+    for container in spec.get("containers", []):
+        if is_pagellm_image(container.get("image", "")):
+            try:
+                return parse_serve_args(container_argv(container, injected=injected))[0]
+            except ValueError:
+                return None
+    return None
 
 
 def document_errors(document: dict, runtimes: dict[str, dict]) -> list[str]:
@@ -222,7 +314,8 @@ def _inference_service_errors(predictor: dict, runtimes: dict[str, dict]) -> lis
             continue
         merged = {**container, "args": [*container.get("args", []), *model.get("args", [])],
                   "env": [*container.get("env", []), *model.get("env", [])]}
-        errors += container_errors(merged, (KSERVE_MODEL_DIR,), injected)
+        errors += container_errors(merged, (KSERVE_MODEL_DIR,), injected,
+                                   executor_backend(runtime))
     return errors
 
 

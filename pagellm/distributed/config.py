@@ -40,7 +40,9 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "distributed_executor_backend": (None, "mp, ray or uni (default: uni for one process, "
                                            "else mp)"),
     "nnodes": (None, "nodes of a multi-node run without Ray"),
-    "node_rank": (None, "this node's rank in a multi-node run without Ray"),
+    "node_rank": (None, "this node's rank in a multi-node run without Ray (default 0; a "
+                        "--headless node without it is given the next free rank by the "
+                        "head, in the order nodes join)"),
     "master_addr": (None, "head node address of a multi-node run without Ray"),
     "master_port": (None, "head node port of a multi-node run without Ray"),
 }
@@ -63,7 +65,7 @@ class ParallelArgs:
     api_server_count: int = 1
     distributed_executor_backend: str | None = None
     nnodes: int = 1
-    node_rank: int = 0
+    node_rank: int | None = None  # 0, or on a --headless node: the head assigns it
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
 
@@ -100,14 +102,15 @@ def _at_least_zero(value: str) -> int:
 @dataclass
 class ParallelConfig:
     """What the engine runs with: world = tensor x pipeline processes, per data parallel rank;
-    with `nnodes` > 1, `world / nnodes` of them on each node, the driver's on node 0."""
+    with `nnodes` > 1, `world / nnodes` of them on each node, the driver's on node 0. A
+    headless node's `node_rank` is None when the head assigns it."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     nnodes: int = 1
-    node_rank: int = 0
+    node_rank: int | None = 0
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
 
@@ -131,12 +134,24 @@ class ParallelConfig:
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
                    args.data_parallel_size, _executor_backend(args.distributed_executor_backend,
                                                               world),
-                   args.nnodes, args.node_rank, args.master_addr, args.master_port)
+                   args.nnodes, _node_rank(args), args.master_addr, args.master_port)
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """What every node of a run must agree on: tensor, pipeline sizes and node count."""
+        return self.tensor_parallel_size, self.pipeline_parallel_size, self.nnodes
+
+
+def _node_rank(args: ParallelArgs) -> int | None:
+    """The node rank given, else 0 for the head and None (assigned on joining) if headless."""
+    if args.node_rank is not None:
+        return args.node_rank
+    return None if args.headless else 0
 
 
 def _check_nodes(args: ParallelArgs, world: int) -> None:
     """Multi-node without Ray: the world splits evenly over the nodes; node 0 serves."""
-    if args.node_rank >= args.nnodes:
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
         raise ValueError(f"node_rank {args.node_rank} must be below nnodes {args.nnodes}.")
     if args.nnodes > 1 and world % args.nnodes:
         raise ValueError(f"a world of {world} ranks (tensor x pipeline parallel size) does not "
@@ -145,9 +160,9 @@ def _check_nodes(args: ParallelArgs, world: int) -> None:
         raise ValueError("--nnodes runs the mp executor; with Ray, start the nodes with "
                          "`ray start` and use --distributed-executor-backend ray instead.")
     if args.headless and args.node_rank == 0:
-        raise ValueError("--headless runs a secondary node's ranks (--node-rank 1 and up); "
-                         "node 0 runs the API server.")
-    if args.node_rank > 0 and not args.headless:
+        raise ValueError("--headless runs a secondary node's ranks (--node-rank 1 and up, or "
+                         "no --node-rank: the head assigns one); node 0 runs the API server.")
+    if args.node_rank and not args.headless:
         raise ValueError(f"node_rank {args.node_rank} runs only engine ranks: add --headless.")
 
 

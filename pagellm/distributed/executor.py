@@ -20,7 +20,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
-from multiprocessing.connection import Connection, deliver_challenge
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,8 @@ from pagellm.distributed.config import ParallelConfig, layer_partition
 from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
                                        join_timeout, pin_threads, rendezvous_host)
 from pagellm.distributed.model import ParallelCausalLM
-from pagellm.distributed.nodes import (node_authkey, node_ranks, start_worker_process,
-                                       worker_env)
+from pagellm.distributed.nodes import node_authkey, start_worker_process, worker_env
+from pagellm.distributed.roster import HEAD_NODE_ID, Doorman, NodeRoster, RankClaim
 from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
@@ -41,6 +41,8 @@ from pagellm.worker.step_chunk import StepChunk
 
 logger = init_logger(__name__)
 _WATCH_SECONDS = 0.5
+_REPORT_SECONDS = 5.0  # how often the head says which nodes it still waits for
+NODES_WAIT_ENV = "PAGELLM_NODES_WAIT_SECONDS"  # how long the head waits for the other nodes
 
 
 class WorkerProcess(Protocol):
@@ -117,10 +119,12 @@ class MultiprocExecutor:
                              self.init_method, parallel.nnodes)
         self.processes: list[WorkerProcess] = []
         self.conns: list[Connection] = []
+        self.doormen: list[Doorman] = []
         self.layout: ShardLayout | None = None
         # rank 0 pins the threads of the process it runs in: put them back at the end
         self._finalizer = weakref.finalize(self, _stop_workers, self.conns, self.processes,
-                                           os.sched_getaffinity(0), torch.get_num_threads())
+                                           self.doormen, os.sched_getaffinity(0),
+                                           torch.get_num_threads())
 
     def load(self, config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
              block_size: int) -> LoadedModel:
@@ -149,12 +153,25 @@ class MultiprocExecutor:
             host, port, authkey = parallel.master_addr, parallel.master_port, node_authkey(parallel)
         else:
             host, port, authkey = self.driver_host(), 0, secrets.token_bytes(32)
-        with socket.create_server((host, port)) as server:
+        server = socket.create_server((host, port))
+        roster = NodeRoster(parallel)
+        try:
             address = "%s:%d" % (host, server.getsockname()[1])
-            for rank in node_ranks(parallel)[1:]:
-                self.processes.append(self.start_worker(rank, worker_env(address, authkey, rank)))
-            by_rank = self._accept(server, authkey)
-        self.conns.extend(by_rank[rank] for rank in sorted(by_rank))
+            for index in range(1, parallel.ranks_per_node):
+                claim = RankClaim(HEAD_NODE_ID, 0, index, parallel.layout)
+                self.processes.append(self.start_worker(index,
+                                                        worker_env(address, authkey, claim)))
+            self._accept(server, authkey, roster)
+        except BaseException:  # the ranks that joined hear that the driver is gone
+            server.close()
+            for conn in roster.by_rank.values():
+                conn.close()
+            raise
+        if parallel.nnodes > 1:  # late or extra nodes still hear why they are not taken
+            self.doormen.append(Doorman(server, roster, authkey))
+        else:
+            server.close()
+        self.conns.extend(roster.by_rank[rank] for rank in sorted(roster.by_rank))
         for rank, conn in enumerate(self.conns, start=1):
             info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method,
                             self.info.nnodes)
@@ -168,28 +185,36 @@ class MultiprocExecutor:
         """Rank `rank`'s process, told by `env` where the driver is."""
         return start_worker_process(env)
 
-    def _accept(self, server: socket.socket, authkey: bytes) -> dict[int, Connection]:
-        """Each worker connects, passes the challenge and says its rank."""
+    def _accept(self, server: socket.socket, authkey: bytes, roster: NodeRoster) -> None:
+        """Each worker connects, passes the challenge and says who it is; on several nodes,
+        a line every few seconds says which nodes are still missing."""
         # a cold import is slow; other nodes may start after this one
         single = self.info.nnodes == 1
-        wait = max(60.0, 3 * join_timeout()) if single else max(300.0, 15 * join_timeout())
-        deadline = time.monotonic() + wait
-        by_rank: dict[int, Connection] = {}
-        while len(by_rank) < self.info.world_size - 1:
+        wait = (max(60.0, 3 * join_timeout()) if single else
+                float(os.environ.get(NODES_WAIT_ENV, max(300.0, 15 * join_timeout()))))
+        start = time.monotonic()
+        report = start + _REPORT_SECONDS
+        server.settimeout(1.0)
+        while not roster.complete:
             dead = [p.pid for p in self.processes if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
+            if dead or (single and time.monotonic() > start + wait):
                 raise RuntimeError(f"worker process(es) {dead or 'not connecting'} did not "
                                    "start; see their log above.")
-            server.settimeout(1.0)
+            if time.monotonic() > start + wait:
+                raise RuntimeError(f"the other nodes did not join the driver at "
+                                   f"{self.parallel.master_addr}:{self.parallel.master_port} "
+                                   f"within {wait:g} s ({NODES_WAIT_ENV}): {roster.progress()}.")
+            if not single and time.monotonic() > report:
+                logger.info("Waiting for the nodes (%.0f s): %s", time.monotonic() - start,
+                            roster.progress())
+                report += _REPORT_SECONDS
             try:
                 sock, _ = server.accept()
             except TimeoutError:
                 continue
-            sock.settimeout(None)
-            conn = Connection(sock.detach())
-            deliver_challenge(conn, authkey)
-            by_rank[int(conn.recv())] = conn
-        return by_rank
+            roster.admit_connection(sock, authkey)
+        if not single:
+            logger.info("All %d nodes joined: %d ranks", self.info.nnodes, self.info.world_size)
 
     def _wait_workers(self, stage: str) -> None:
         for rank, conn in enumerate(self.conns, start=1):
@@ -246,9 +271,11 @@ class MultiprocExecutor:
 
 
 def _stop_workers(conns: list[Connection], processes: list["WorkerProcess"],
-                  cores: set[int], threads: int) -> None:
+                  doormen: list[Doorman], cores: set[int], threads: int) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    for doorman in doormen:
+        doorman.stop()
     for conn in conns:
         try:
             conn.send(StopWorker())

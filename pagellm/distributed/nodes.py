@@ -4,45 +4,59 @@ The world's ranks split evenly over the nodes, in order: node 0 runs the API ser
 engine core with the driver (rank 0) and its other local ranks, and listens for every
 worker at A:P; each other node runs `pagellm serve MODEL ... --headless`, which starts its
 ranks as worker processes that connect to A:P (retrying until the head is up) and then
-serve the driver's steps exactly as local workers do.
+serve the driver's steps exactly as local workers do. A headless node started without
+`--node-rank` is given one by the head in the order nodes join (pagellm.distributed.roster),
+so that identical pods (a Deployment's, KServe's workers) need no index of their own.
 
 The ranks authenticate with a key both sides derive: `PAGELLM_DIST_AUTHKEY` if set (the
-same value on every node), else one derived from A:P, which only keeps unrelated runs
-apart; like torch.distributed's own rendezvous, the master port belongs on a private
-network.
+same value on every node), else one derived from the master port, which only keeps
+unrelated runs apart (not from the address, which the head may know as its IP and the
+other nodes by a service name); like torch.distributed's own rendezvous, the master port
+belongs on a private network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 from pagellm.distributed.config import ParallelConfig
+from pagellm.distributed.roster import RankClaim
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 AUTHKEY_ENV = "PAGELLM_DIST_AUTHKEY"
 WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socket
 WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
-WORKER_RANK_ENV = "PAGELLM_WORKER_RANK"
+WORKER_CLAIM_ENV = "PAGELLM_WORKER_CLAIM"  # the RankClaim it sends, as JSON
 CONNECT_SECONDS_ENV = "PAGELLM_WORKER_CONNECT_TIMEOUT"  # how long a worker retries the driver
 
 
 def node_authkey(parallel: ParallelConfig) -> bytes:
-    secret = os.environ.get(AUTHKEY_ENV) or f"pagellm:{parallel.master_addr}:{parallel.master_port}"
+    secret = os.environ.get(AUTHKEY_ENV) or f"pagellm:{parallel.master_port}"
     return hashlib.sha256(secret.encode()).digest()
 
 
-def worker_env(address: str, authkey: bytes, rank: int) -> dict[str, str]:
-    """What a worker process needs to find and join the driver."""
+def worker_env(address: str, authkey: bytes, claim: RankClaim) -> dict[str, str]:
+    """What a worker process needs to find and join the driver, and say who it is."""
     # c10d's C++ stack traces would bury the driver's one-line error
     return {WORKER_ADDRESS_ENV: address, WORKER_AUTHKEY_ENV: authkey.hex(),
-            WORKER_RANK_ENV: str(rank),
+            WORKER_CLAIM_ENV: json.dumps(dataclasses.asdict(claim)),
             "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
+
+
+def read_claim(env: Mapping[str, str]) -> RankClaim:
+    fields = json.loads(env[WORKER_CLAIM_ENV])
+    return RankClaim(**{**fields, "layout": tuple(fields["layout"])})
 
 
 def start_worker_process(env: dict[str, str]) -> subprocess.Popen:
@@ -50,20 +64,29 @@ def start_worker_process(env: dict[str, str]) -> subprocess.Popen:
                             env={**os.environ, **env})
 
 
-def node_ranks(parallel: ParallelConfig) -> range:
-    per_node = parallel.ranks_per_node
-    return range(parallel.node_rank * per_node, (parallel.node_rank + 1) * per_node)
+def new_node_id() -> str:
+    """A headless node's name in the head's log: its host name (a pod's name) and a random
+    suffix, so that two nodes on one host stay apart."""
+    return f"{socket.gethostname()}-{secrets.token_hex(2)}"
 
 
 def run_headless(parallel: ParallelConfig) -> int:
     """A secondary node: its ranks' processes until they end (the driver stopped them, or
     one failed); SIGTERM or Ctrl-C stops them. The exit code is the worst of theirs."""
-    ranks = node_ranks(parallel)
+    per_node, node_rank = parallel.ranks_per_node, parallel.node_rank
     address = f"{parallel.master_addr}:{parallel.master_port}"
     authkey = node_authkey(parallel)
-    logger.info("Headless node %d of %d: ranks %d-%d join the driver at %s",
-                parallel.node_rank, parallel.nnodes, ranks[0], ranks[-1], address)
-    processes = [start_worker_process(worker_env(address, authkey, rank)) for rank in ranks]
+    node_id = new_node_id()
+    if node_rank is None:
+        logger.info("Headless node %s of %d: %d rank(s) join the driver at %s, which gives "
+                    "this node its rank", node_id, parallel.nnodes, per_node, address)
+    else:
+        logger.info("Headless node %d of %d: ranks %d-%d join the driver at %s", node_rank,
+                    parallel.nnodes, node_rank * per_node, (node_rank + 1) * per_node - 1,
+                    address)
+    processes = [start_worker_process(worker_env(
+        address, authkey, RankClaim(node_id, node_rank, index, parallel.layout)))
+        for index in range(per_node)]
 
     def stop(signum: int, frame: object) -> None:
         for process in processes:
@@ -75,5 +98,5 @@ def run_headless(parallel: ParallelConfig) -> int:
     while any(process.poll() is None for process in processes):
         time.sleep(0.5)
     codes = [process.returncode for process in processes]
-    logger.info("Headless node %d: ranks ended with exit codes %s", parallel.node_rank, codes)
+    logger.info("Headless node %s: ranks ended with exit codes %s", node_id, codes)
     return max((abs(code) for code in codes), default=0)

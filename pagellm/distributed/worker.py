@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
 import torch
@@ -20,13 +21,15 @@ from pagellm.distributed.executor import (AllocateKVCache, StopWorker,
                                           WorkerFailed, WorkerInit, WorkerReady, load_rank_model)
 from pagellm.distributed.group import PreflightError, init_rank, pin_threads
 from pagellm.distributed.nodes import (CONNECT_SECONDS_ENV, WORKER_ADDRESS_ENV,
-                                       WORKER_AUTHKEY_ENV, WORKER_RANK_ENV)
+                                       WORKER_AUTHKEY_ENV, read_claim)
+from pagellm.distributed.roster import RankClaim, Refused
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
 from pagellm.worker.model_runner import ModelRunner
 
-logger = init_logger(__name__)
+logger = init_logger("pagellm.distributed.worker")  # not __main__: run with -m
 _PR_SET_PDEATHSIG = 1
+_REPORT_SECONDS = 10.0
 
 
 def _die_with_parent() -> None:
@@ -38,22 +41,55 @@ def _die_with_parent() -> None:
 
 
 def _connect() -> Connection:
-    """The driver's socket; a headless node may start before the head node listens."""
-    host, _, port = os.environ[WORKER_ADDRESS_ENV].rpartition(":")
-    deadline = time.monotonic() + float(os.environ.get(CONNECT_SECONDS_ENV, "300"))
+    """The driver's socket; a headless node may start before the head node listens, or
+    before its name resolves (a Service whose pod is not scheduled yet)."""
+    address = os.environ[WORKER_ADDRESS_ENV]
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    deadline = start + float(os.environ.get(CONNECT_SECONDS_ENV, "300"))
+    report = start + _REPORT_SECONDS
     while True:
         try:
             sock = socket.create_connection((host, int(port)), timeout=30)
             break
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
+        except OSError as error:  # refused, unresolved, unreachable: the head is not up yet
+            now = time.monotonic()
+            if now > deadline:
+                raise SystemExit(f"no driver at {address} after {now - start:.0f} s "
+                                 f"({CONNECT_SECONDS_ENV}): {error}") from None
+            if now > report:
+                logger.info("Waiting for the driver at %s (%.0f s): %s", address, now - start,
+                            error)
+                report += _REPORT_SECONDS
             time.sleep(1.0)
     sock.settimeout(None)
-    conn = Connection(sock.detach())
-    answer_challenge(conn, bytes.fromhex(os.environ[WORKER_AUTHKEY_ENV]))
-    conn.send(int(os.environ[WORKER_RANK_ENV]))
-    return conn
+    return Connection(sock.detach())
+
+
+def _join(claim: RankClaim) -> tuple[Connection, WorkerInit] | None:
+    """Say who this rank is and get its work, or log in one line why the driver said no."""
+    conn = _connect()
+    address = os.environ[WORKER_ADDRESS_ENV]
+    try:
+        answer_challenge(conn, bytes.fromhex(os.environ[WORKER_AUTHKEY_ENV]))
+        conn.send(claim)
+        init = conn.recv()
+    except AuthenticationError:
+        logger.error("The driver at %s has another key: set the same PAGELLM_DIST_AUTHKEY "
+                     "and --master-port on every node.", address)
+        return None
+    except (EOFError, OSError):
+        logger.error("The driver at %s closed the connection before giving rank %d of node "
+                     "%s its work; see the driver's log.", address, claim.local_index,
+                     claim.node_id)
+        return None
+    if isinstance(init, Refused):
+        logger.error("%s", init.message)
+        return None
+    if claim.node_rank is None:
+        logger.info("Rank %d of node %s is global rank %d (node %d)", claim.local_index,
+                    claim.node_id, init.info.rank, init.info.rank // init.info.local_world_size)
+    return conn, init
 
 
 def _start(conn: Connection, init: WorkerInit) -> ModelRunner:
@@ -83,8 +119,10 @@ def main() -> int:
 def serve_rank() -> int:
     """Connect to the driver named by the environment and run its steps until it stops us
     (a worker process's body, or a Ray actor's)."""
-    conn = _connect()
-    init = conn.recv()
+    joined = _join(read_claim(os.environ))
+    if joined is None:
+        return 1
+    conn, init = joined
     try:
         runner = _start(conn, init)
     except (ValueError, FileNotFoundError, PreflightError) as error:
