@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from transformers import AutoTokenizer
@@ -110,8 +113,22 @@ def test_large_inputs_are_encoded_in_a_lower_priority_worker(smollm2_gguf: Path)
     tokenizer = load_tokenizer(smollm2_gguf)
     pool = TokenizerPool(tokenizer)
     text = "émigré naïve 日本語 " * (INLINE_LIMIT // 8)
+    spawned_in: list[threading.Thread] = []
+    spawn = ProcessPoolExecutor._adjust_process_count  # noqa: SLF001 (where it spawns)
+
+    def recording_spawn(executor: ProcessPoolExecutor) -> None:
+        spawned_in.append(threading.current_thread())
+        spawn(executor)
+
+    async def encode_on_the_loop() -> tuple[list[int], threading.Thread]:
+        return await pool.encode(text), threading.current_thread()
+
     try:
-        assert asyncio.run(pool.encode(text)) == tokenizer.encode(text)
+        with mock.patch.object(ProcessPoolExecutor, "_adjust_process_count", recording_spawn):
+            encoded, loop_thread = asyncio.run(encode_on_the_loop())
+        assert encoded == tokenizer.encode(text)
+        # starting the worker blocks for seconds: never on the event loop's thread
+        assert spawned_in and loop_thread not in spawned_in
         workers = list(pool._start()._processes)  # noqa: SLF001 (no public list of workers)
         assert len(workers) == 1
         assert (os.getpriority(os.PRIO_PROCESS, workers[0])

@@ -113,7 +113,11 @@ class TokenizerPool:
             return function(self.tokenizer, *args)
         executor = self._start()
         try:
-            return await asyncio.wrap_future(executor.submit(_in_worker, function, *args))
+            # submitted from a thread: the first submit spawns the worker and writes it the
+            # pickled tokenizer, which blocks until the new process has imported enough to
+            # read it (seconds, measured as one 6.7 s /health stall under a body flood)
+            future = await asyncio.to_thread(executor.submit, _in_worker, function, *args)
+            return await asyncio.wrap_future(future)
         except BrokenProcessPool:
             logger.error("The tokenizer worker process died; starting a new one.")
             self._executor = None
