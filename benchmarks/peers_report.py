@@ -41,6 +41,8 @@ INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for 
 DECODE_LOG_PREFIX = "pagellm-decode-steps-"
 PAGELLM_ARGS_FILE = "pagellm-args.txt"  # the --pagellm-args of the last run
 RUN_FILE = "run.json"  # the command, machine and date of the last run
+STARTUP_INFIX = "-startup-"  # PEER-startup-ROUND.json: seconds from each start to ready
+PREFILL_PREFIX = "prefill"  # the prefill run's label: prefillN, N prompt tokens
 DECODE_LINE = re.compile(r"batch=(\d+)\] decode step: ([\d.]+) ms, ([\d.]+) output tokens/s"
                          r"(?:, reads ([\d.]+) MB)?")
 PLOTS = (("output_throughput", "output tok/s", "output_throughput"),
@@ -216,6 +218,30 @@ def _roof_line(label: str, tokens_per_second: float, peak: float) -> str:
             f"{100 * achieved / peak:.1f}% of peak")
 
 
+def startup_lines(peer_dir: Path, peers: list[str]) -> list[str]:
+    """Each peer's median time from start to ready over every start of the sweep."""
+    lines = []
+    for peer in peers:
+        starts = [seconds for path in sorted(peer_dir.glob(f"{peer}{STARTUP_INFIX}*.json"))
+                  for seconds in json.loads(path.read_text())]
+        if starts:
+            lines.append(f"- {peer}: start to ready {statistics.median(starts):.1f} s "
+                         f"(median of {len(starts)} starts)")
+    return lines
+
+
+def prefill_lines(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Prompt tokens per second of each peer's prefill run, from its median TTFT."""
+    lines = []
+    for peer, runs in results.items():
+        for label, result in runs.items():
+            if label.startswith(PREFILL_PREFIX):
+                tokens = int(label.removeprefix(PREFILL_PREFIX))
+                lines.append(f"- {peer}: prefill of {tokens} tokens at "
+                             f"{tokens * 1000 / result['p50_ttft_ms']:.0f} tok/s")
+    return lines
+
+
 def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs: list[str],
                  skipped: dict[str, str], caps: dict[str, int]) -> None:
     """Collect the saved runs, print and write NAME.md beside NAME/, draw the plots."""
@@ -223,6 +249,7 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs:
                for peer in peers}
     results = {peer: found for peer, found in results.items() if found}
     roof = roofline(peer_dir, results, max(concurrency))
+    prefill, startup = prefill_lines(results), startup_lines(peer_dir, peers)
     pngs = plot(results, concurrency, peer_dir.parent, peer_dir.name)
     notes = [f"- `{peer}` skipped: {reason}" for peer, reason in skipped.items()]
     notes += [f"- `{peer}` capped at {n} prompts per run" for peer, n in caps.items()]
@@ -233,7 +260,7 @@ def write_report(peer_dir: Path, peers: list[str], concurrency: list[int], runs:
     run = json.loads((peer_dir / RUN_FILE).read_text())
     lines = ["# Serving peers side by side", "",
              INTRO, "", f"Command: `{run['command']}`", "", f"Machine: {run['machine']}", "",
-             f"Date: {run['date']}", "", *notes, "", *table(results), "", *roof, "",
-             *(f"![{png}]({png})" for png in pngs), ""]
+             f"Date: {run['date']}", "", *notes, "", *table(results), "", *prefill, *startup,
+             "", *roof, "", *(f"![{png}]({png})" for png in pngs), ""]
     (peer_dir.parent / f"{peer_dir.name}.md").write_text("\n".join(lines))
-    print("\n".join(table(results)), *roof, sep="\n")
+    print("\n".join(table(results)), *prefill, *startup, *roof, sep="\n")
