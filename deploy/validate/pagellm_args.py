@@ -87,13 +87,9 @@ def container_argv(container: dict, template_name: str = "model",
 def container_errors(container: dict, mounts: tuple[str, ...] = (),
                      injected: dict[str, str] | None = None, backend: str = "ray") -> list[str]:
     where = f"container {container.get('name')!r}"
-    try:
-        argv = container_argv(container, injected=injected)
-    except ValueError as error:
-        return [f"{where}: {error}"]
-    namespace, error = parse_serve_args(argv)
+    namespace, errors = _container_namespace(where, container, injected)
     if namespace is None:
-        return [f"{where}: {error} (args: {' '.join(argv)})"]
+        return errors
     if namespace.verb != "serve":
         return []
     errors = _probe_errors(container, namespace.port) + _multinode_errors(
@@ -103,6 +99,19 @@ def container_errors(container: dict, mounts: tuple[str, ...] = (),
         errors.append(f"{where}: model {namespace.model!r} is under no volume mount "
                       "(pagellm loads local files only)")
     return errors
+
+
+def _container_namespace(where: str, container: dict, injected: dict[str, str] | None
+                         ) -> tuple[argparse.Namespace | None, list[str]]:
+    """The container's command line as pagellm's parser reads it, or why it cannot be read."""
+    try:
+        argv = container_argv(container, injected=injected)
+    except ValueError as error:
+        return None, [f"{where}: {error}"]
+    namespace, error = parse_serve_args(argv)
+    if namespace is None:
+        return None, [f"{where}: {error} (args: {' '.join(argv)})"]
+    return namespace, []
 
 
 def _multinode_errors(where: str, namespace: argparse.Namespace, injected: dict[str, str],
@@ -171,13 +180,9 @@ def worker_errors(container: dict, backend: str = "ray", injected: dict[str, str
 def _mp_worker_errors(where: str, container: dict, injected: dict[str, str],
                       head: argparse.Namespace | None) -> list[str]:
     kserve = {**injected, HEAD_SERVICE_VARIABLE: "model-head-1"}
-    try:
-        argv = container_argv(container, injected=kserve)
-    except ValueError as error:
-        return [f"{where}: {error}"]
-    namespace, error = parse_serve_args(argv)
+    namespace, errors = _container_namespace(where, container, kserve)
     if namespace is None:
-        return [f"{where}: {error} (args: {' '.join(argv)})"]
+        return errors
     if namespace.verb != "serve" or not namespace.headless:
         return [f"{where}: must run `pagellm serve ... --headless`, which joins the head"]
     errors = _size_errors(where, namespace, injected) + _mp_node_errors(where, namespace,
