@@ -60,7 +60,8 @@ def coarse_kl(exact: torch.Tensor, engine: dict[int, float]) -> float:
     divergence = float((p * (p.log() - q.log())).sum())
     p_rest = max(1.0 - float(p.sum()), _FLOOR)
     q_rest = max(1.0 - float(q.sum()), _FLOOR)
-    return divergence + p_rest * math.log(p_rest / q_rest)
+    # never below 0 but for rounding (the engine's logprobs are float32): report 0 then
+    return max(0.0, divergence + p_rest * math.log(p_rest / q_rest))
 
 
 def mean_kl(exact: list[torch.Tensor], engine: list[list[dict[int, float]]]) -> float:
