@@ -51,7 +51,7 @@ def test_a_headless_node_serves_the_ranks_the_head_waits_for(tiny_llama_dir: Pat
         misfits = [_headless(tiny_llama_dir, port, "-dp", "2", "-dpr", "1"),
                    _headless(tiny_llama_dir, port, "-dp", "3", "-dpl", "1"),
                    _headless(tiny_llama_dir, port, "-dp", "3", "-dpr", "1", key="other")]
-        nodes += misfits
+        nodes += [*misfits, _headless(tiny_llama_dir, port, "-dp", "3", "-dpr", "1")]
         outputs = [node.communicate(timeout=120)[0] for node in misfits]
         assert [node.returncode for node in misfits] == [1, 1, 1], outputs
         assert re.search(r"node \S+ was started with -dp 2, the head with -dp 3: start every "
@@ -61,17 +61,18 @@ def test_a_headless_node_serves_the_ranks_the_head_waits_for(tiny_llama_dir: Pat
                          outputs[1]), outputs[1]
         assert ("The data parallel head at 127.0.0.1:%d has another key: set the same "
                 "PAGELLM_DIST_AUTHKEY and -dpp on every node." % port) in outputs[2]
-        nodes.append(_headless(tiny_llama_dir, port, "-dp", "3", "-dpr", "1"))
         head.wait_healthy()
         _check_every_rank_serves(head, tiny_llama_dir, ranks={"0", "1", "2"})
         assert "All 3 data parallel engines joined" in head.output()
     finally:
         head.stop()
         for node in nodes:
-            if node.poll() is None:
+            try:
+                node.wait(timeout=30)  # the head's end stops a node's engines
+            except subprocess.TimeoutExpired:
                 node.kill()
-    output, _ = nodes[-1].communicate(timeout=60)
-    assert nodes[-1].returncode == 0, output  # the head stopped its engines
+    output, _ = nodes[-1].communicate()
+    assert nodes[-1].returncode == 0, output
     assert re.search(r"Headless node \S+: data parallel ranks 1-2 of 3 join the head", output)
 
 
