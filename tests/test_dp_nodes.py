@@ -159,9 +159,19 @@ def test_an_api_server_only_head_waits_for_every_rank() -> None:
     ({"data_parallel_rank": 1, "data_parallel_size_local": 1}, "leave out -dpl, -dpr and "
                                                                "--headless"),
     ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray' is not supported"),
-    ({"tensor_parallel_size": 2}, "data parallelism combined with tensor or pipeline "
-                                  "parallelism is not supported"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+     "data parallelism combined with distributed_executor_backend 'ray' is not supported"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "data parallelism combined with --nnodes"),
 ])
 def test_inconsistent_data_parallel_layouts_are_one_line(flags: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ParallelArgs(data_parallel_size=4, **flags).parallel_config()
+
+
+def test_bound_threads_with_data_and_tensor_parallelism_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND with data parallelism and "
+                                         "tensor or pipeline parallelism together"):
+        ParallelArgs(data_parallel_size=2, tensor_parallel_size=2).parallel_config()
+    assert ParallelArgs(data_parallel_size=2).parallel_config().data_parallel.size == 2

@@ -18,6 +18,7 @@ logger = init_logger(__name__)
 EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PP_PARTITION_ENV_VARS = ("PAGELLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+THREADS_BIND_ENV_VARS = ("PAGELLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
 DEFAULT_DP_ADDRESS = "127.0.0.1"
 DEFAULT_DP_RPC_PORT = 29550
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -247,8 +248,10 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
     unbuilt = {
         "distributed_executor_backend 'external_launcher'":
             args.distributed_executor_backend == "external_launcher",
-        "data parallelism combined with tensor or pipeline parallelism":
-            args.data_parallel_size > 1
+        "data parallelism combined with distributed_executor_backend 'ray'":
+            args.data_parallel_size > 1 and args.distributed_executor_backend == "ray",
+        "VLLM_CPU_OMP_THREADS_BIND with data parallelism and tensor or pipeline parallelism "
+        "together": args.data_parallel_size > 1 and _threads_bound()
             and args.tensor_parallel_size * args.pipeline_parallel_size > 1,
         "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
         "--headless without --nnodes or data_parallel_size": args.headless and args.nnodes == 1
@@ -262,6 +265,11 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
         raise ValueError(f"{refused[0]} is not supported by pagellm yet; tensor and pipeline "
                          "parallelism run with the mp or ray executor, data parallelism as "
                          "engine cores of one process each (mp backend).")
+
+
+def _threads_bound() -> bool:
+    return any(os.environ.get(name, "auto") not in ("", "auto", "all")
+               for name in THREADS_BIND_ENV_VARS)
 
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

@@ -131,13 +131,14 @@ class MultiprocExecutor:
         """Start every rank, run the preflight, load each rank's shard (workers in parallel
         with the driver)."""
         local = self.info.local_world_size
-        cores = pin_threads(0, local)
         logger.info("Starting %d worker processes for tensor parallel size %d x pipeline "
-                    "parallel size %d (backend gloo, rendezvous %s, %d node(s)); rank 0 on "
-                    "cores %s", local - 1, self.info.tp_size, self.info.pp_size,
-                    self.init_method, self.info.nnodes, cores)
+                    "parallel size %d (backend gloo, rendezvous %s, %d node(s))", local - 1,
+                    self.info.tp_size, self.info.pp_size, self.init_method, self.info.nnodes)
         try:
+            # before rank 0 pins itself: each worker takes its share of all this process's
+            # cores (a data parallel engine's share of the node), not of rank 0's
             self._start_workers(config, dtype, kv_cache_dtype, block_size)
+            logger.info("Rank 0 on cores %s", pin_threads(0, local))
             group = init_rank(self.info)
             loaded, self.layout = load_rank_model(config, dtype, group)
             self._wait_workers("loading its shard")
