@@ -1,7 +1,9 @@
 """Tokens per second of one engine laid out over processes: `pagellm serve` with each layout
 (`tp1`: one process with all the cores' threads; `tpN` / `ppN`: N gloo ranks, each pinned to
-its own cores; `dpN`: N whole engine cores behind one API server, each on its own cores),
-measured with `pagellm bench serve` at each concurrency.
+its own cores; `dpN`: N whole engine cores behind one API server, each on its own cores;
+`dpN@node`: the same engine cores on a `--headless` node of this machine, reached over TCP
+on loopback instead of pipes, the head only the API server), measured with `pagellm bench
+serve` at each concurrency.
 
 On a machine of 2 cores this is the honest cost of the communication: two ranks of one core
 each against one process of two threads. The embedded SmolLM2-135M has 9 query heads, so
@@ -10,7 +12,7 @@ its tensor parallel sizes are 1, 3 and 9 (`tp3`); pass `--model` for another.
 `overlap` is the share of an engine's batches launched while another was in flight: under
 pipeline parallelism, how often the stages computed at once (`-` without a batch queue).
 
-    python benchmarks/parallel.py --layouts tp1,tp3,pp2,dp2 --concurrency 1,64
+    python benchmarks/parallel.py --layouts tp1,tp3,pp2,dp2,dp2@node --concurrency 1,64
 """
 
 from __future__ import annotations
@@ -48,17 +50,34 @@ def layout_flags(layout: str) -> list[str]:
     return flags
 
 
-def _serve(args: argparse.Namespace, layout: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def _serve(args: argparse.Namespace, layout: str) -> tuple[list[subprocess.Popen], str]:
+    """The server (first) and, for `@node`, the headless node that runs its engines."""
+    name, _, where = layout.partition("@")
+    if where not in ("", "node") or (where and not name.startswith("dp")):
+        raise SystemExit(f"bad layout {layout!r}: only dpN takes @node, e.g. dp2@node")
+    flags, port = layout_flags(name), free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
-               *([args.model] if args.model else []), "--port", str(port),
-               "--disable-log-requests", "--uvicorn-log-level", "warning",
-               *layout_flags(layout)]
-    process = subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
-    wait_healthy(process, url, timeout=args.startup_timeout, poll_seconds=0.2)
-    return process, url
+    serve = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve",
+             *([args.model] if args.model else [])]
+    processes = []
+    if where:
+        rpc = ["-dpp", str(free_port())]
+        processes.append(_start([*serve, "--headless", *flags, *rpc]))
+        flags += ["-dpl", "0", *rpc]
+    processes.insert(0, _start([*serve, "--port", str(port), "--disable-log-requests",
+                                "--uvicorn-log-level", "warning", *flags]))
+    try:
+        wait_healthy(processes[0], url, timeout=args.startup_timeout, poll_seconds=0.2)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    return processes, url
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
 
 
 def _bench(url: str, concurrency: int, args: argparse.Namespace, folder: Path) -> dict:
@@ -110,7 +129,7 @@ def main() -> None:
           + f" {'overlap':>8}")
     with tempfile.TemporaryDirectory() as folder:
         for layout in args.layouts.split(","):
-            process, url = _serve(args, layout)
+            processes, url = _serve(args, layout)
             try:
                 for concurrency in concurrencies:
                     before = _batch_counts(url)
@@ -120,8 +139,9 @@ def main() -> None:
                           " ".join(f"{result[m]:>18.2f}" for m in METRICS) +
                           f" {overlap:>8}", flush=True)
             finally:
-                process.terminate()
-                process.wait(timeout=30)
+                for process in processes:  # the server first: it stops the node's engines
+                    process.terminate()
+                    process.wait(timeout=30)
 
 
 if __name__ == "__main__":

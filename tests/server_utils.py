@@ -48,8 +48,9 @@ class RemoteServer:
 
     def __init__(self, model: Path, *extra_args: str, api_key: str | None = None,
                  startup_timeout: float = 120, tls_cert: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        """`tls_cert`: the server's self-signed certificate, when it serves https."""
+                 env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """`tls_cert`: the server's self-signed certificate, when it serves https; `wait`
+        False: return once started, and call `wait_healthy` later."""
         self.port = free_port()
         self.url = f"{'https' if tls_cert else 'http'}://127.0.0.1:{self.port}"
         self.verify: ssl.SSLContext | bool = (
@@ -62,9 +63,10 @@ class RemoteServer:
             command += ["--api-key", api_key]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**cli_env(), **(env or {})}, cwd=REPO_ROOT)
-        self._wait_healthy(startup_timeout)
+        if wait:
+            self.wait_healthy(startup_timeout)
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -14,6 +14,7 @@ from server_utils import RemoteServer
 from pagellm.core.sched_output import SchedulerStats
 from pagellm.distributed.data_parallel import DataParallelBalancer
 from pagellm.entrypoints.llm import LLM
+from pagellm.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -87,5 +88,33 @@ def test_two_engines_serve_concurrent_clients(tiny_llama_dir: Path) -> None:
         assert report["problem"] is None
         assert re.findall(r"Data parallel rank (\d) of 2", server.output()) in (["0", "1"],
                                                                               ["1", "0"])
+    finally:
+        server.stop()
+
+
+def test_each_engine_drives_its_own_tensor_parallel_ranks(tiny_llama_dir: Path) -> None:
+    """-dp 2 -tp 2: two engine cores of two ranks each; every answer is the single-process
+    engine's, whichever engine served it."""
+    prompts = [f"Request number {index} says" for index in range(8)]
+    single = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
+                 kv_cache_memory=1 << 24)
+    expected = [output.outputs[0].text for output in single.generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-tp", "2")
+    try:
+        client = server.client()
+
+        def ask(prompt: str) -> str:
+            return client.completions.create(model=str(tiny_llama_dir), prompt=prompt,
+                                             max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, prompts)) == expected
+        text = httpx.get(f"{server.url}/metrics", timeout=5).text
+        served = _engine_samples(text, "vllm:request_success_total")
+        assert set(served) == {"0", "1"} and sum(served.values()) == len(prompts)
+        assert server.output().count("Starting 1 worker processes for tensor parallel size "
+                                     "2") == 2
     finally:
         server.stop()

@@ -88,7 +88,7 @@ class EntrypointServer(RemoteServer):
         self.process = subprocess.Popen(["sh", str(DOCKER / "entrypoint.sh"), *args],
                                         stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**cli_env(), **env}, cwd=REPO_ROOT)
-        self._wait_healthy(180)
+        self.wait_healthy(180)
 
 
 def _container_env(container: dict, documents: list[dict]) -> dict[str, str]:

@@ -72,9 +72,9 @@ def _unknown_flag(docs: list[dict]) -> None:
 
 
 def _data_parallel(docs: list[dict]) -> None:
-    # data parallelism across nodes: one node runs -dp, a second one would need -dpl
+    # data parallel ranks started by Ray: not built
     _pagellm_container(docs)["args"] += ["--data-parallel-size", "2",
-                                         "--data-parallel-size-local", "1"]
+                                         "--data-parallel-backend", "ray"]
 
 
 def _hub_model_id(docs: list[dict]) -> None:
@@ -116,7 +116,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
                      "unrecognized arguments: --max-model-length 4096"),
     "data parallel": ("kubernetes/pagellm-gpu.yaml", _data_parallel,
-                      "data_parallel_size_local / data_parallel_start_rank"),
+                      "data_parallel_backend 'ray' is not supported by pagellm yet"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
                    "livenessProbe asks port 8080, pagellm listens on 8000"),

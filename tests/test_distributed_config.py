@@ -48,12 +48,13 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
 
 
 @pytest.mark.parametrize("overrides, refused", [
-    ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data parallelism combined"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2,
+      "distributed_executor_backend": "ray"}, "data parallelism combined with "
+                                              "distributed_executor_backend 'ray'"),
     ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray'"),
-    ({"headless": True}, "--headless without --nnodes"),
-    ({"nnodes": 2, "data_parallel_size": 2}, "multi-node data parallelism"),
+    ({"headless": True}, "--headless without --nnodes or data_parallel_size"),
+    ({"nnodes": 2, "data_parallel_size": 2}, "data parallelism combined with --nnodes"),
     ({"api_server_count": 4}, "api_server_count 4"),
-    ({"data_parallel_rank": 0}, "data_parallel_rank"),
 ])
 def test_unbuilt_combinations_are_refused(overrides: dict, refused: str) -> None:
     with pytest.raises(ValueError, match="is not supported by pagellm yet") as error:

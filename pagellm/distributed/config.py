@@ -18,6 +18,7 @@ logger = init_logger(__name__)
 EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 PP_PARTITION_ENV_VARS = ("PAGELLM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+THREADS_BIND_ENV_VARS = ("PAGELLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
 DEFAULT_DP_ADDRESS = "127.0.0.1"
 DEFAULT_DP_RPC_PORT = 29550
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -28,14 +29,19 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "tensor_parallel_size": ("-tp", "shard every layer over this many processes (Megatron-style)"),
     "pipeline_parallel_size": ("-pp", "split the layers into this many stages"),
     "data_parallel_size": ("-dp", "independent engine replicas behind one API server"),
-    "data_parallel_size_local": ("-dpl", "data parallel ranks on this node (default: all)"),
-    "data_parallel_start_rank": ("-dpr", "first data parallel rank of this node"),
+    "data_parallel_size_local": ("-dpl", "data parallel ranks on this node (default: all "
+                                         "from -dpr on; 0 on the head: API server only)"),
+    "data_parallel_start_rank": ("-dpr", "first data parallel rank of this node (a "
+                                         "--headless one)"),
     "data_parallel_rank": ("-dpn", "this process is exactly this data parallel rank "
                                    "(external load balancing)"),
-    "data_parallel_address": ("-dpa", "address of the data parallel head node"),
-    "data_parallel_rpc_port": ("-dpp", "RPC port of the data parallel head node"),
+    "data_parallel_address": ("-dpa", "address of the data parallel head node, where it "
+                                      "waits for the other nodes' engines"),
+    "data_parallel_rpc_port": ("-dpp", "port of the data parallel head node, where it waits "
+                                       "for the other nodes' engines"),
     "data_parallel_backend": ("-dpb", "mp or ray: how data parallel ranks are started"),
-    "headless": (None, "run engines only, no API server (secondary nodes)"),
+    "headless": (None, "run engines only, no API server (secondary nodes, with --nnodes or "
+                       "-dp)"),
     "api_server_count": (None, "HTTP front-end processes"),
     "distributed_executor_backend": (None, "mp, ray or uni (default: uni for one process, "
                                            "else mp)"),
@@ -99,6 +105,64 @@ def _at_least_zero(value: str) -> int:
     return number
 
 
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """Where the data parallel ranks run. The head (the API server) hosts ranks
+    0..`size_local`-1 and waits at `address`:`rpc_port` for the rest, which `--headless`
+    nodes host from their `start_rank` on; `rank` set: this process is exactly that rank,
+    behind an outside load balancer."""
+
+    size: int = 1
+    size_local: int = 1
+    start_rank: int = 0
+    rank: int | None = None
+    address: str = DEFAULT_DP_ADDRESS
+    rpc_port: int = DEFAULT_DP_RPC_PORT
+    headless: bool = False
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this process starts (one, under an outside load balancer)."""
+        if self.rank is not None:
+            return range(self.rank, self.rank + 1)
+        return range(self.start_rank, self.start_rank + self.size_local)
+
+    @property
+    def remote_ranks(self) -> range:
+        """The ranks the head waits for: those its own command does not start."""
+        return range(0) if self.headless or self.rank is not None else range(
+            self.size_local, self.size)
+
+    @classmethod
+    def from_args(cls, args: ParallelArgs) -> "DataParallelConfig":
+        size, start = args.data_parallel_size, args.data_parallel_start_rank
+        local = size - start if args.data_parallel_size_local is None else \
+            args.data_parallel_size_local
+        if args.data_parallel_rank is not None:
+            _check_external_rank(args)
+        elif start + local > size:
+            raise ValueError(f"data parallel ranks {start}-{start + local - 1} (-dpr {start} "
+                             f"-dpl {local}) go beyond data_parallel_size {size}.")
+        elif start and not args.headless:
+            raise ValueError(f"data_parallel_start_rank {start} runs engines only: add "
+                             "--headless (the head, with the API server, starts at rank 0).")
+        elif args.headless and size > 1 and local == 0:
+            raise ValueError("a --headless node with data_parallel_size_local 0 runs nothing.")
+        return cls(size, local, start, args.data_parallel_rank, args.data_parallel_address,
+                   args.data_parallel_rpc_port, args.headless and size > 1)
+
+
+def _check_external_rank(args: ParallelArgs) -> None:
+    """-dpn R: one rank per process, each its own endpoint."""
+    if args.data_parallel_rank >= args.data_parallel_size:
+        raise ValueError(f"data_parallel_rank {args.data_parallel_rank} must be below "
+                         f"data_parallel_size {args.data_parallel_size}.")
+    if (args.headless or args.data_parallel_size_local is not None
+            or args.data_parallel_start_rank):
+        raise ValueError("data_parallel_rank runs exactly one rank behind its own API server: "
+                         "leave out -dpl, -dpr and --headless.")
+
+
 @dataclass
 class ParallelConfig:
     """What the engine runs with: world = tensor x pipeline processes, per data parallel rank;
@@ -107,12 +171,12 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     nnodes: int = 1
     node_rank: int | None = 0
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
+    data_parallel: DataParallelConfig = DataParallelConfig()
 
     @property
     def world_size(self) -> int:
@@ -132,9 +196,9 @@ class ParallelConfig:
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         _check_nodes(args, world)
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
-                   args.data_parallel_size, _executor_backend(args.distributed_executor_backend,
-                                                              world),
-                   args.nnodes, _node_rank(args), args.master_addr, args.master_port)
+                   _executor_backend(args.distributed_executor_backend, world),
+                   args.nnodes, _node_rank(args), args.master_addr, args.master_port,
+                   DataParallelConfig.from_args(args))
 
     @property
     def layout(self) -> tuple[int, int, int]:
@@ -184,22 +248,28 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
     unbuilt = {
         "distributed_executor_backend 'external_launcher'":
             args.distributed_executor_backend == "external_launcher",
-        "data parallelism combined with tensor or pipeline parallelism":
-            args.data_parallel_size > 1
+        "data parallelism combined with distributed_executor_backend 'ray'":
+            args.data_parallel_size > 1 and args.distributed_executor_backend == "ray",
+        "VLLM_CPU_OMP_THREADS_BIND with data parallelism and tensor or pipeline parallelism "
+        "together": args.data_parallel_size > 1 and _threads_bound()
             and args.tensor_parallel_size * args.pipeline_parallel_size > 1,
-        "data_parallel_size_local / data_parallel_start_rank / data_parallel_rank":
-            args.data_parallel_size_local is not None or args.data_parallel_start_rank != 0
-            or args.data_parallel_rank is not None,
         "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
-        "--headless without --nnodes": args.headless and args.nnodes == 1,
+        "--headless without --nnodes or data_parallel_size": args.headless and args.nnodes == 1
+            and args.data_parallel_size == 1,
         f"api_server_count {args.api_server_count}": args.api_server_count > 1,
-        "multi-node data parallelism": args.nnodes > 1 and args.data_parallel_size > 1,
+        "data parallelism combined with --nnodes (run data parallel nodes with -dpl, -dpr "
+        "and -dpa)": args.nnodes > 1 and args.data_parallel_size > 1,
     }
     refused = [name for name, asked in unbuilt.items() if asked]
     if refused:
-        raise ValueError(f"{refused[0]} is not supported by pagellm yet; one node runs tensor "
-                         "and pipeline parallelism with the mp executor, or data parallel "
-                         "engine cores of one process each.")
+        raise ValueError(f"{refused[0]} is not supported by pagellm yet; tensor and pipeline "
+                         "parallelism run with the mp or ray executor, data parallelism as "
+                         "engine cores of one process each (mp backend).")
+
+
+def _threads_bound() -> bool:
+    return any(os.environ.get(name, "auto") not in ("", "auto", "all")
+               for name in THREADS_BIND_ENV_VARS)
 
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

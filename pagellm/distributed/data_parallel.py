@@ -1,5 +1,6 @@
-"""Data parallelism on one node (`-dp N`): N engine cores, each a process with its own
-scheduler, KV cache and cores, behind one API server.
+"""Data parallelism (`-dp N`): N engine cores, each a process with its own scheduler, KV
+cache and cores, behind one API server; on this node, or some on other nodes
+(pagellm.distributed.dp_nodes).
 
 `DataParallelCoreClient` has the single core client's interface, so the server above it
 does not change. Each new request goes to the least loaded engine, as vLLM's coordinator
@@ -12,15 +13,18 @@ ids and integers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagellm.core.prefix_index import PrefixIndex, block_hashes
 from pagellm.core.sched_output import SchedulerStats
+from pagellm.distributed.config import DataParallelConfig
+from pagellm.distributed.roster import Doorman
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import (AddLoRA, CoreReady, EngineCoreClient, KVCacheReport,
-                                        LoRAReply, RemoveLoRA, StepResult)
+from pagellm.engine.core_client import (AddLoRA, CoreReady, EngineCoreClient, EnginePlace,
+                                        KVCacheReport, LoRAReply, RemoveLoRA, StepResult)
 from pagellm.logger import init_logger
 from pagellm.request import Request, RequestStatus, child_request_id
 
@@ -59,41 +63,58 @@ class DataParallelBalancer:
 
 
 class DataParallelCoreClient:
-    """`num_engines` EngineCoreClients started side by side; results are tagged with the
-    rank that produced them."""
+    """One EngineCoreClient per rank, by rank: this node's started side by side, the other
+    nodes' joining over their sockets."""
 
-    def __init__(self, args: EngineArgs, num_engines: int,
+    def __init__(self, args: EngineArgs, config: DataParallelConfig,
                  on_result: Callable[[StepResult], None], on_dead: Callable[[], None],
                  default_start: str = "spawn") -> None:
         self._on_result = on_result
-        self.clients = [EngineCoreClient(args, self._tagged(engine), on_dead, engine,
-                                         num_engines, wait=False, default_start=default_start)
-                        for engine in range(num_engines)]
+        self._doorman: Doorman | None = None
+        local = config.local_ranks
+        self.clients = [EngineCoreClient(args, self._observe, on_dead,
+                                         EnginePlace(rank, config.size, index, len(local)),
+                                         wait=False, default_start=default_start)
+                        for index, rank in enumerate(local)]
         try:
+            if config.remote_ranks:
+                self.clients += self._join_remote(config, on_dead)
             for client in self.clients:
                 client.wait_ready()
+            _check_same_model(self.clients)
         except BaseException:
             self.shutdown()
             raise
         self.ready: CoreReady = self.clients[0].ready
         blocks = min(client.ready.info.num_kv_blocks for client in self.clients)
-        self.balancer = DataParallelBalancer(num_engines, args.block_size, max(blocks, 1))
+        self.balancer = DataParallelBalancer(config.size, args.block_size, max(blocks, 1))
         self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
         for client in self.clients:
             client.start_reading()
-        logger.info("Data parallel: %d engine cores, each with %s KV blocks", num_engines,
+        logger.info("Data parallel: %d engine cores, each with %s KV blocks", config.size,
                     f"{blocks:,}")
 
-    def _tagged(self, engine: int) -> Callable[[StepResult], None]:
-        def on_result(result: StepResult) -> None:
-            result.engine = engine
-            self.balancer.observe(engine, result.stats)
-            for update in result.updates:
-                if update.finished:
-                    self._owner.pop(update.request_id, None)
-            self._on_result(result)
+    def _join_remote(self, config: DataParallelConfig,
+                     on_dead: Callable[[], None]) -> list[EngineCoreClient]:
+        """The other nodes' engines, by rank, once all have joined."""
+        from pagellm.distributed.dp_nodes import RemoteEngineCoreClient, join_remote_engines
 
-        return on_result
+        def check_local() -> None:
+            dead = [client for client in self.clients if not client.alive]
+            if dead:
+                raise RuntimeError(dead[0]._died_starting())
+
+        roster, self._doorman = join_remote_engines(config, check_local)
+        return [RemoteEngineCoreClient(roster.conns[rank], rank, roster.holders[rank],
+                                       self._observe, on_dead)
+                for rank in config.remote_ranks]
+
+    def _observe(self, result: StepResult) -> None:
+        self.balancer.observe(result.engine, result.stats)
+        for update in result.updates:
+            if update.finished:
+                self._owner.pop(update.request_id, None)
+        self._on_result(result)
 
     def add_request(self, request: Request) -> None:
         salt = request.cache_salt
@@ -160,5 +181,18 @@ class DataParallelCoreClient:
         return all(client.alive for client in self.clients)
 
     def shutdown(self) -> None:
+        if self._doorman is not None:
+            self._doorman.stop()
         for client in self.clients:
             client.shutdown()
+
+
+def _check_same_model(clients: list[EngineCoreClient]) -> None:
+    """Every rank must serve rank 0's model, whatever its KV cache (nodes differ)."""
+    first = dataclasses.replace(clients[0].ready.info, num_kv_blocks=0)
+    for rank, client in enumerate(clients):
+        info = dataclasses.replace(client.ready.info, num_kv_blocks=0)
+        if info != first:
+            raise ValueError(f"data parallel rank {rank} serves another model than rank 0 "
+                             f"({info} against {first}): start every node with the same "
+                             "model and flags.")

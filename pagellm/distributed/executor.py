@@ -30,7 +30,8 @@ from pagellm.distributed.config import ParallelConfig, layer_partition
 from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
                                        join_timeout, pin_threads, rendezvous_host)
 from pagellm.distributed.model import ParallelCausalLM
-from pagellm.distributed.nodes import node_authkey, start_worker_process, worker_env
+from pagellm.distributed.nodes import (NODES_WAIT_ENV, node_authkey, start_worker_process,
+                                       worker_env)
 from pagellm.distributed.roster import HEAD_NODE_ID, Doorman, NodeRoster, RankClaim
 from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
@@ -42,7 +43,6 @@ from pagellm.worker.step_chunk import StepChunk
 logger = init_logger(__name__)
 _WATCH_SECONDS = 0.5
 _REPORT_SECONDS = 5.0  # how often the head says which nodes it still waits for
-NODES_WAIT_ENV = "PAGELLM_NODES_WAIT_SECONDS"  # how long the head waits for the other nodes
 
 
 class WorkerProcess(Protocol):
@@ -131,13 +131,14 @@ class MultiprocExecutor:
         """Start every rank, run the preflight, load each rank's shard (workers in parallel
         with the driver)."""
         local = self.info.local_world_size
-        cores = pin_threads(0, local)
         logger.info("Starting %d worker processes for tensor parallel size %d x pipeline "
-                    "parallel size %d (backend gloo, rendezvous %s, %d node(s)); rank 0 on "
-                    "cores %s", local - 1, self.info.tp_size, self.info.pp_size,
-                    self.init_method, self.info.nnodes, cores)
+                    "parallel size %d (backend gloo, rendezvous %s, %d node(s))", local - 1,
+                    self.info.tp_size, self.info.pp_size, self.init_method, self.info.nnodes)
         try:
+            # before rank 0 pins itself: each worker takes its share of all this process's
+            # cores (a data parallel engine's share of the node), not of rank 0's
             self._start_workers(config, dtype, kv_cache_dtype, block_size)
+            logger.info("Rank 0 on cores %s", pin_threads(0, local))
             group = init_rank(self.info)
             loaded, self.layout = load_rank_model(config, dtype, group)
             self._wait_workers("loading its shard")
@@ -150,7 +151,8 @@ class MultiprocExecutor:
                        kv_cache_dtype: torch.dtype, block_size: int) -> None:
         parallel = self.parallel
         if parallel.nnodes > 1:  # the other nodes' ranks know where and how to join
-            host, port, authkey = parallel.master_addr, parallel.master_port, node_authkey(parallel)
+            host, port = parallel.master_addr, parallel.master_port
+            authkey = node_authkey(port)
         else:
             host, port, authkey = self.driver_host(), 0, secrets.token_bytes(32)
         server = socket.create_server((host, port))

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagellm.distributed.config import THREADS_BIND_ENV_VARS
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
 HOST_IP_ENV_VARS = ("PAGELLM_HOST_IP", "VLLM_HOST_IP")
-THREADS_BIND_ENV_VARS = ("PAGELLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND")
 TIMEOUT_ENV_VAR = "PAGELLM_DIST_TIMEOUT"  # seconds a rank may take to join and to preflight
 DEFAULT_JOIN_TIMEOUT = 20.0
 

@@ -27,7 +27,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
 
 from pagellm.distributed.config import ParallelConfig
 from pagellm.distributed.roster import RankClaim
@@ -39,11 +40,40 @@ WORKER_ADDRESS_ENV = "PAGELLM_WORKER_ADDRESS"  # host:port of the driver's socke
 WORKER_AUTHKEY_ENV = "PAGELLM_WORKER_AUTHKEY"
 WORKER_CLAIM_ENV = "PAGELLM_WORKER_CLAIM"  # the RankClaim it sends, as JSON
 CONNECT_SECONDS_ENV = "PAGELLM_WORKER_CONNECT_TIMEOUT"  # how long a worker retries the driver
+NODES_WAIT_ENV = "PAGELLM_NODES_WAIT_SECONDS"  # how long the head waits for the other nodes
+_REPORT_SECONDS = 10.0
 
 
-def node_authkey(parallel: ParallelConfig) -> bytes:
-    secret = os.environ.get(AUTHKEY_ENV) or f"pagellm:{parallel.master_port}"
+def node_authkey(port: int) -> bytes:
+    """The key of a multi-node run whose head listens at `port` (--master-port, or -dpp)."""
+    secret = os.environ.get(AUTHKEY_ENV) or f"pagellm:{port}"
     return hashlib.sha256(secret.encode()).digest()
+
+
+def connect_to(address: str, what: str) -> Connection:
+    """The head's socket at host:port; a secondary node may start before the head listens,
+    or before its name resolves (a Service whose pod is not scheduled yet)."""
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    deadline = start + float(os.environ.get(CONNECT_SECONDS_ENV, "300"))
+    report = start + _REPORT_SECONDS
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            break
+        except OSError as error:  # refused, unresolved, unreachable: the head is not up yet
+            now = time.monotonic()
+            if now > deadline:
+                raise SystemExit(f"no {what} at {address} after {now - start:.0f} s "
+                                 f"({CONNECT_SECONDS_ENV}): {error}") from None
+            if now > report:
+                logger.info("Waiting for the %s at %s (%.0f s): %s", what, address,
+                            now - start, error)
+                report += _REPORT_SECONDS
+            time.sleep(1.0)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Connection(sock.detach())
 
 
 def worker_env(address: str, authkey: bytes, claim: RankClaim) -> dict[str, str]:
@@ -75,7 +105,7 @@ def run_headless(parallel: ParallelConfig) -> int:
     one failed); SIGTERM or Ctrl-C stops them. The exit code is the worst of theirs."""
     per_node, node_rank = parallel.ranks_per_node, parallel.node_rank
     address = f"{parallel.master_addr}:{parallel.master_port}"
-    authkey = node_authkey(parallel)
+    authkey = node_authkey(parallel.master_port)
     node_id = new_node_id()
     if node_rank is None:
         logger.info("Headless node %s of %d: %d rank(s) join the driver at %s, which gives "
@@ -87,16 +117,19 @@ def run_headless(parallel: ParallelConfig) -> int:
     processes = [start_worker_process(worker_env(
         address, authkey, RankClaim(node_id, node_rank, index, parallel.layout)))
         for index in range(per_node)]
+    return supervise(node_id, lambda: any(p.poll() is None for p in processes),
+                     lambda: [p.terminate() for p in processes if p.poll() is None],
+                     lambda: [p.returncode for p in processes])
 
-    def stop(signum: int, frame: object) -> None:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while any(process.poll() is None for process in processes):
+def supervise(node_id: str, running: Callable[[], bool], stop: Callable[[], object],
+              exit_codes: Callable[[], list[int]]) -> int:
+    """A headless node's processes, until they all end; SIGTERM or Ctrl-C stops them. The
+    exit code is the worst of theirs."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop())
+    while running():
         time.sleep(0.5)
-    codes = [process.returncode for process in processes]
+    codes = exit_codes()
     logger.info("Headless node %s: ranks ended with exit codes %s", node_id, codes)
     return max((abs(code) for code in codes), default=0)

@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn, Protocol
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, deliver_challenge
 
@@ -139,20 +139,23 @@ class NodeRoster:
 
     def admit_connection(self, sock: socket.socket, authkey: bytes) -> None:
         """One connection to the driver's socket: admitted under its rank, or refused."""
-        joined = handshake(sock, authkey)
+        joined = handshake(sock, authkey, RankClaim)
         if joined is None:
             return
         conn, claim = joined
         try:
             self.by_rank[self.admit(claim)] = conn
         except NodeRefused as refusal:
-            _send_and_close(conn, Refused(str(refusal)))
+            send_and_close(conn, Refused(str(refusal)))
 
 
-def handshake(sock: socket.socket, authkey: bytes) -> tuple[Connection, RankClaim] | None:
-    """The challenge and the claim; a stray or mis-keyed connection is logged and dropped."""
+def handshake(sock: socket.socket, authkey: bytes, claim_type: type,
+              port_flag: str = "--master-port") -> tuple[Connection, Any] | None:
+    """The challenge and the claim (a `claim_type`); a stray or mis-keyed connection is
+    logged and dropped."""
     peer = "%s:%s" % sock.getpeername()[:2]
     sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small messages, sent at once
     _receive_timeout(sock, _HANDSHAKE_SECONDS)  # a silent peer must not stall the driver
     conn = Connection(sock.detach())
     try:
@@ -163,13 +166,14 @@ def handshake(sock: socket.socket, authkey: bytes) -> tuple[Connection, RankClai
         conn.close()
         return None
     except (AuthenticationError, OSError) as error:
-        logger.warning("A connection from %s to the driver was dropped (%s): every node must "
-                       "share PAGELLM_DIST_AUTHKEY and --master-port", peer,
-                       type(error).__name__)
+        logger.warning("A connection from %s to the head was dropped (%s): every node must "
+                       "share PAGELLM_DIST_AUTHKEY and %s", peer, type(error).__name__,
+                       port_flag)
         conn.close()
         return None
-    if not isinstance(claim, RankClaim):
-        logger.warning("A connection from %s sent %r, not a rank's claim: dropped", peer, claim)
+    if not isinstance(claim, claim_type):
+        logger.warning("A connection from %s sent %r, not a %s: dropped", peer, claim,
+                       claim_type.__name__)
         conn.close()
         return None
     with socket.socket(fileno=os.dup(conn.fileno())) as view:
@@ -183,7 +187,7 @@ def _receive_timeout(sock: socket.socket, seconds: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
 
 
-def _send_and_close(conn: Connection, message: object) -> None:
+def send_and_close(conn: Connection, message: object) -> None:
     try:
         conn.send(message)
     except OSError:
@@ -191,12 +195,19 @@ def _send_and_close(conn: Connection, message: object) -> None:
     conn.close()
 
 
+class Roster(Protocol):
+    def admit(self, claim: Any) -> int:
+        """The claim's rank; NodeRefused if its node does not fit."""
+
+
 class Doorman:
-    """After start-up, the driver's socket stays open so that a node arriving late (one too
+    """After start-up, the head's socket stays open so that a node arriving late (one too
     many, or restarted) hears why it is not taken, instead of retrying a closed port."""
 
-    def __init__(self, server: socket.socket, roster: NodeRoster, authkey: bytes) -> None:
+    def __init__(self, server: socket.socket, roster: Roster, authkey: bytes,
+                 claim_type: type = RankClaim) -> None:
         self._server, self._roster, self._authkey = server, roster, authkey
+        self._claim_type = claim_type
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="NodeDoorman", daemon=True)
         self._thread.start()
@@ -208,7 +219,7 @@ class Doorman:
                 sock, _ = self._server.accept()
             except (TimeoutError, OSError):
                 continue
-            joined = handshake(sock, self._authkey)
+            joined = handshake(sock, self._authkey, self._claim_type)
             if joined is None:
                 continue
             conn, claim = joined
@@ -217,7 +228,7 @@ class Doorman:
                 self._roster.admit(claim)  # every rank is taken: this refuses and says why
             except NodeRefused as refusal:
                 message = str(refusal)
-            _send_and_close(conn, Refused(message))
+            send_and_close(conn, Refused(message))
 
     def stop(self) -> None:
         self._stop.set()

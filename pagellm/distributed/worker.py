@@ -9,9 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import sys
-import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
@@ -20,8 +18,8 @@ import torch
 from pagellm.distributed.executor import (AllocateKVCache, StopWorker,
                                           WorkerFailed, WorkerInit, WorkerReady, load_rank_model)
 from pagellm.distributed.group import PreflightError, init_rank, pin_threads
-from pagellm.distributed.nodes import (CONNECT_SECONDS_ENV, WORKER_ADDRESS_ENV,
-                                       WORKER_AUTHKEY_ENV, read_claim)
+from pagellm.distributed.nodes import (WORKER_ADDRESS_ENV, WORKER_AUTHKEY_ENV, connect_to,
+                                       read_claim)
 from pagellm.distributed.roster import RankClaim, Refused
 from pagellm.kernels import cpu_kernels_available
 from pagellm.logger import init_logger
@@ -29,10 +27,9 @@ from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger("pagellm.distributed.worker")  # not __main__: run with -m
 _PR_SET_PDEATHSIG = 1
-_REPORT_SECONDS = 10.0
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the kernel kills this worker when the driver's process dies, however it dies."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -40,36 +37,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _connect() -> Connection:
-    """The driver's socket; a headless node may start before the head node listens, or
-    before its name resolves (a Service whose pod is not scheduled yet)."""
-    address = os.environ[WORKER_ADDRESS_ENV]
-    host, _, port = address.rpartition(":")
-    start = time.monotonic()
-    deadline = start + float(os.environ.get(CONNECT_SECONDS_ENV, "300"))
-    report = start + _REPORT_SECONDS
-    while True:
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=30)
-            break
-        except OSError as error:  # refused, unresolved, unreachable: the head is not up yet
-            now = time.monotonic()
-            if now > deadline:
-                raise SystemExit(f"no driver at {address} after {now - start:.0f} s "
-                                 f"({CONNECT_SECONDS_ENV}): {error}") from None
-            if now > report:
-                logger.info("Waiting for the driver at %s (%.0f s): %s", address, now - start,
-                            error)
-                report += _REPORT_SECONDS
-            time.sleep(1.0)
-    sock.settimeout(None)
-    return Connection(sock.detach())
-
-
 def _join(claim: RankClaim) -> tuple[Connection, WorkerInit] | None:
     """Say who this rank is and get its work, or log in one line why the driver said no."""
-    conn = _connect()
     address = os.environ[WORKER_ADDRESS_ENV]
+    conn = connect_to(address, "driver")
     try:
         answer_challenge(conn, bytes.fromhex(os.environ[WORKER_AUTHKEY_ENV]))
         conn.send(claim)
@@ -111,7 +82,7 @@ def _start(conn: Connection, init: WorkerInit) -> ModelRunner:
 
 def main() -> int:
     """A worker process of the multiprocess executor."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops the driver, which stops us
     return serve_rank()
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import (AddLoRA, EngineCoreClient, KVCacheReport, RemoveLoRA,
-                                        StepResult)
+from pagellm.distributed.config import DataParallelConfig
+from pagellm.engine.core_client import (AddLoRA, EngineCoreClient, EnginePlace, KVCacheReport,
+                                        RemoveLoRA, StepResult)
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.tokenizer_pool import TokenizerPool
@@ -49,8 +50,11 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead = False
         self._closing = False
-        self.num_engines = args.data_parallel_size
-        self.client = self._start_client(args, default_start)
+        data_parallel = DataParallelConfig.from_args(args)
+        # the ranks behind this server: all of them, or one under an outside load balancer
+        self.engines = list(data_parallel.local_ranks if data_parallel.rank is not None
+                            else range(data_parallel.size))
+        self.client = self._start_client(args, data_parallel, default_start)
         ready = self.client.ready
         self.info = ready.info
         self.model_path = Path(ready.model_path)
@@ -65,19 +69,20 @@ class AsyncLLM:
         if log_stats:
             kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
             self.stat_loggers = [
-                *(LoggingStatLogger(kv_label, engine) for engine in range(self.num_engines)),
-                *PrometheusStatLogger.for_engines(self.model_name, self.num_engines)]
+                *(LoggingStatLogger(kv_label, engine) for engine in self.engines),
+                *PrometheusStatLogger.for_engines(self.model_name, self.engines)]
         self._log_task: asyncio.Task | None = None
         self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
 
-    def _start_client(self, args: EngineArgs,
+    def _start_client(self, args: EngineArgs, data_parallel: DataParallelConfig,
                       default_start: str) -> "EngineCoreClient | DataParallelCoreClient":
-        if self.num_engines == 1:
+        if len(self.engines) == 1:
             return EngineCoreClient(args, self._on_result, self._on_dead,
+                                    EnginePlace(self.engines[0], data_parallel.size),
                                     default_start=default_start)
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
-        return DataParallelCoreClient(args, self.num_engines, self._on_result, self._on_dead,
+        return DataParallelCoreClient(args, data_parallel, self._on_result, self._on_dead,
                                       default_start)
 
     @classmethod

@@ -57,6 +57,21 @@ class CoreReady:
     tokenizer: Any
 
 
+@dataclass(frozen=True)
+class EnginePlace:
+    """Which data parallel rank an engine core is, and its share of its node's cores: the
+    `local_index`-th of the `local_count` engines this node runs."""
+
+    rank: int = 0
+    size: int = 1
+    local_index: int = 0
+    local_count: int = 1
+
+    @property
+    def name(self) -> str:
+        return "EngineCore" if self.size == 1 else f"EngineCore_DP{self.rank}"
+
+
 @dataclass
 class CoreFailed:
     message: str
@@ -78,7 +93,7 @@ class FinishRequests:
 class StepResult:
     updates: list[RequestUpdate]
     stats: SchedulerStats
-    engine: int = 0  # the data parallel rank that stepped (set on the server's side)
+    engine: int = 0  # the data parallel rank that stepped
 
 
 @dataclass
@@ -118,25 +133,26 @@ class _Shutdown:
     pass
 
 
-def run_engine_core(conn: Connection, args: EngineArgs, engine: int = 0,
-                    num_engines: int = 1) -> None:
+def run_engine_core(conn: Connection, args: EngineArgs,
+                    place: EnginePlace = EnginePlace()) -> None:
     """Entry point of the core process: build the engine, then step while there is work.
+    `conn` is a pipe to the API server, or a socket to the head node's.
 
     Ctrl-C reaches the whole process group; only the server acts on it (it drains, then
     stops this process through the pipe), so that it is not taken for an engine death.
-    Data parallel engines (`num_engines` > 1) each take their share of the cores."""
+    Data parallel engines each take their share of their node's cores."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pagellm.engine.core import EngineCore
     from pagellm.engine.llm_engine import resolve_device
     from pagellm.platform import name_this_process
 
-    name_this_process("EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}")
+    name_this_process(place.name)
 
-    if num_engines > 1:
+    if place.size > 1:
         from pagellm.distributed.group import pin_threads
 
-        logger.info("Data parallel rank %d of %d on cores %s", engine, num_engines,
-                    pin_threads(engine, num_engines))
+        logger.info("Data parallel rank %d of %d on cores %s", place.rank, place.size,
+                    pin_threads(place.local_index, place.local_count))
 
     try:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
@@ -149,12 +165,12 @@ def run_engine_core(conn: Connection, args: EngineArgs, engine: int = 0,
     conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
                         loaded.tokenizer))
     try:
-        _step_loop(core, conn)
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        _step_loop(core, conn, place.rank)
+    except (EOFError, ConnectionError, KeyboardInterrupt):  # the server is gone
         pass
 
 
-def _step_loop(core, conn: Connection) -> None:
+def _step_loop(core, conn: Connection, engine: int) -> None:
     while True:
         if not core.has_unfinished_requests() and not _handle(core, conn, conn.recv()):
             return
@@ -166,9 +182,9 @@ def _step_loop(core, conn: Connection) -> None:
             changed |= isinstance(message, FinishRequests)
         if core.has_unfinished_requests():
             updates, stats = core.step()
-            conn.send(StepResult(updates, stats))
+            conn.send(StepResult(updates, stats, engine))
         elif changed:
-            conn.send(StepResult([], core.make_stats()))
+            conn.send(StepResult([], core.make_stats(), engine))
 
 
 def _handle(core, conn: Connection, message: object) -> bool:
@@ -212,22 +228,27 @@ class EngineCoreClient:
     then `wait_ready()` and `start_reading()`."""
 
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
-                 on_dead: Callable[[], None], engine: int = 0, num_engines: int = 1,
+                 on_dead: Callable[[], None], place: EnginePlace = EnginePlace(),
                  wait: bool = True, default_start: str = "spawn") -> None:
         context = multiprocessing.get_context(start_method(default_start))
-        self._conn, child_conn = context.Pipe()
-        name = "EngineCore" if num_engines == 1 else f"EngineCore_DP{engine}"
-        self._process = context.Process(target=run_engine_core, name=name, daemon=True,
-                                        args=(child_conn, args, engine, num_engines))
+        conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine_core, name=place.name, daemon=True,
+                                        args=(child_conn, args, place))
         self._process.start()
         child_conn.close()
+        self._attach(conn, on_result, on_dead)
+        if wait:
+            self.wait_ready()
+            self.start_reading()
+
+    def _attach(self, conn: Connection, on_result: Callable[[StepResult], None],
+                on_dead: Callable[[], None]) -> None:
+        self._conn = conn
+        self.closed = threading.Event()  # the core's end of the connection closed
         self._send_lock = threading.Lock()
         self._kv_reports: list[Future[KVCacheReport]] = []
         self._lora_replies: list[Future[LoRAReply]] = []
         self._on_result, self._on_dead = on_result, on_dead
-        if wait:
-            self.wait_ready()
-            self.start_reading()
 
     def start_reading(self) -> None:
         self._reader = threading.Thread(target=self._read_results, name="EngineCoreOutput",
@@ -240,19 +261,24 @@ class EngineCoreClient:
 
     def _wait_ready(self) -> CoreReady:
         start = time.monotonic()
-        while self._process.is_alive() and not self._conn.poll(_PROGRESS_SECONDS):
+        while self.alive and not self._conn.poll(_PROGRESS_SECONDS):
             logger.info("Still starting the engine (%.0f s so far)", time.monotonic() - start)
         try:
             message = self._conn.recv()
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(
-                f"the engine core process died during start-up (exit code "
-                f"{self._process.exitcode}); see its log above.") from None
+        except (EOFError, OSError):
+            raise RuntimeError(self._died_starting()) from None
         if isinstance(message, CoreFailed):
-            self._process.join()
+            self._reap()
             raise (ModelLoadError if message.bad_model_file else ValueError)(message.message)
         return message
+
+    def _reap(self) -> None:
+        self._process.join()
+
+    def _died_starting(self) -> str:
+        self._reap()
+        return (f"the engine core process died during start-up (exit code "
+                f"{self._process.exitcode}); see its log above.")
 
     def _read_results(self) -> None:
         try:
@@ -265,6 +291,7 @@ class EngineCoreClient:
                 else:
                     self._on_result(message)
         except (EOFError, OSError):
+            self.closed.set()
             for waiting in [*self._kv_reports, *self._lora_replies]:
                 waiting.set_exception(RuntimeError("the engine core process died"))
             self._on_dead()

@@ -241,11 +241,12 @@ class PrometheusStatLogger:
         self._lora: LoRAMetrics | None = None
 
     @classmethod
-    def for_engines(cls, model_name: str, num_engines: int,
+    def for_engines(cls, model_name: str, engines: list[int],
                     registry: CollectorRegistry = REGISTRY) -> list["PrometheusStatLogger"]:
-        first = cls(model_name, registry)
+        """One per data parallel rank, sharing the families."""
+        first = cls(model_name, registry, engines[0])
         return [first, *(cls(model_name, registry, engine, first._make)
-                         for engine in range(1, num_engines))]
+                         for engine in engines[1:])]
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
                engine: int = 0) -> None:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 
 from pagellm import __version__
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
@@ -317,12 +318,22 @@ def engine_start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "fork"
 
 
+def run_headless_node(args: EngineArgs) -> int:
+    """Data parallel engine cores (`-dp`), or tensor and pipeline ranks (`--nnodes`)."""
+    parallel = args.parallel_config()
+    if parallel.data_parallel.headless:
+        from pagellm.distributed.dp_nodes import run_headless_engines
+
+        return run_headless_engines(args, engine_start_method())
+    from pagellm.distributed.nodes import run_headless
+
+    return run_headless(parallel)
+
+
 def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
     if settings.engine_args.headless:  # a secondary node: engine ranks, no API server
-        from pagellm.distributed.nodes import run_headless
-
-        raise SystemExit(run_headless(settings.engine_args.parallel_config()))
+        raise SystemExit(run_headless_node(settings.engine_args))
     sock = bind_socket(settings.host, settings.port)
     try:
         serving = serve

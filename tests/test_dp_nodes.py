@@ -1,0 +1,177 @@
+"""Data parallelism across nodes, as "nodes" on this machine: a head (`-dp 3 -dpl 1 -dpa
+-dpp`) serves rank 0 and waits for ranks 1-2, which a `--headless -dpr 1` node runs; nodes
+that do not fit are refused with one line while the head goes on waiting. Under an outside
+load balancer (`-dpn R`), a server runs exactly rank R, its metrics labelled so."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_utils import TINY_SERVER_ARGS, RemoteServer, cli_env, free_port
+from test_data_parallel import _engine_samples
+
+from pagellm.distributed.config import ParallelArgs
+from pagellm.distributed.dp_nodes import EngineClaim, EngineRoster
+from pagellm.distributed.roster import NodeRefused
+
+KEY = {"PAGELLM_DIST_AUTHKEY": "test-secret"}
+
+
+def _headless(model: Path, port: int, *flags: str, key: str = KEY["PAGELLM_DIST_AUTHKEY"]
+              ) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model),
+         *TINY_SERVER_ARGS, "--headless", "-dpa", "127.0.0.1", "-dpp", str(port), *flags],
+        env={**cli_env(), "PAGELLM_DIST_AUTHKEY": key}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_line(server: RemoteServer, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, server.output()):
+        assert server.process.poll() is None and time.monotonic() < deadline, server.output()
+        time.sleep(0.2)
+
+
+def test_a_headless_node_serves_the_ranks_the_head_waits_for(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    head = RemoteServer(tiny_llama_dir, "-dp", "3", "-dpl", "1", "-dpa", "127.0.0.1", "-dpp",
+                        str(port), env=KEY, wait=False)
+    nodes: list[subprocess.Popen] = []
+    try:
+        _wait_for_line(head, r"Waiting for the data parallel engines \(\d+ s\): 1 of 3 data "
+                             r"parallel engines joined; missing rank\(s\) 1, 2")
+        misfits = [_headless(tiny_llama_dir, port, "-dp", "2", "-dpr", "1"),
+                   _headless(tiny_llama_dir, port, "-dp", "3", "-dpl", "1"),
+                   _headless(tiny_llama_dir, port, "-dp", "3", "-dpr", "1", key="other")]
+        nodes += [*misfits, _headless(tiny_llama_dir, port, "-dp", "3", "-dpr", "1")]
+        outputs = [node.communicate(timeout=120)[0] for node in misfits]
+        assert [node.returncode for node in misfits] == [1, 1, 1], outputs
+        assert re.search(r"node \S+ was started with -dp 2, the head with -dp 3: start every "
+                         r"node with the same -dp", outputs[0]), outputs[0]
+        assert re.search(r"node \S+ is refused: -dpr 0 -dpl 1 \(data parallel rank 0\) "
+                         r"overlaps the head's own rank 0; the head waits for ranks 1-2",
+                         outputs[1]), outputs[1]
+        assert ("The data parallel head at 127.0.0.1:%d has another key: set the same "
+                "PAGELLM_DIST_AUTHKEY and -dpp on every node." % port) in outputs[2]
+        head.wait_healthy()
+        _check_every_rank_serves(head, tiny_llama_dir, ranks={"0", "1", "2"})
+        assert "All 3 data parallel engines joined" in head.output()
+    finally:
+        head.stop()
+        for node in nodes:
+            try:
+                node.wait(timeout=30)  # the head's end stops a node's engines
+            except subprocess.TimeoutExpired:
+                node.kill()
+    output, _ = nodes[-1].communicate()
+    assert nodes[-1].returncode == 0, output
+    assert re.search(r"Headless node \S+: data parallel ranks 1-2 of 3 join the head", output)
+
+
+def _check_every_rank_serves(server: RemoteServer, model: Path, ranks: set[str]) -> None:
+    """Concurrent greedy requests all complete, each rank serves some, and each answer is
+    the one the prompt gets alone, whichever rank served it."""
+    client = server.client()
+
+    def ask(index: int) -> str:
+        answer = client.completions.create(model=str(model), prompt=f"Request {index} says",
+                                           max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length"
+        return answer.choices[0].text
+
+    with ThreadPoolExecutor(9) as pool:
+        answers = list(pool.map(ask, range(18)))
+    assert [ask(index) for index in (0, 7)] == [answers[0], answers[7]]
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    served = _engine_samples(text, "vllm:request_success_total")
+    assert set(served) == ranks and all(count > 0 for count in served.values()), served
+    assert sum(served.values()) == 18 + 2
+
+
+def test_an_outside_load_balancer_rank_serves_alone_under_its_label(
+        tiny_llama_dir: Path) -> None:
+    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-dpn", "1")
+    try:
+        answer = server.client().completions.create(model=str(tiny_llama_dir), prompt="Hello",
+                                                    max_tokens=3)
+        assert answer.choices[0].finish_reason == "length"
+        text = httpx.get(f"{server.url}/metrics", timeout=5).text
+        assert _engine_samples(text, "vllm:request_success_total") == {"1": 1.0}
+        assert _engine_samples(text, "vllm:num_requests_running") == {"1": 0.0}
+        assert "Data parallel rank 1 of 2" in server.output()
+    finally:
+        server.stop()
+
+
+def _claim(node: str, first: int, count: int, rank: int, size: int = 4) -> EngineClaim:
+    return EngineClaim(node, size, first, count, rank)
+
+
+def test_the_roster_admits_the_remote_ranks_and_refuses_misfits_with_one_line() -> None:
+    roster = EngineRoster(ParallelArgs(data_parallel_size=4, data_parallel_size_local=1)
+                          .parallel_config().data_parallel)
+    assert roster.admit(_claim("pod-a", 1, 2, 2)) == 2
+    roster.conns[2] = None  # type: ignore[assignment]  # (no socket here)
+    assert roster.progress() == "2 of 4 data parallel engines joined; missing rank(s) 1, 3"
+    refusals = [
+        (_claim("pod-b", 0, 2, 0), "node pod-b is refused: -dpr 0 -dpl 2 (data parallel "
+         "ranks 0-1) overlaps the head's own rank 0; the head waits for ranks 1-3"),
+        (_claim("pod-c", 2, 2, 3), "node pod-c is refused: data parallel rank 2 is already "
+         "held by node pod-a; give each headless node its own -dpr"),
+        (_claim("pod-d", 3, 1, 3, size=5), "node pod-d was started with -dp 5, the head with "
+         "-dp 4: start every node with the same -dp"),
+        (_claim("pod-a", 1, 2, 2), "data parallel rank 2 of node pod-a connected twice"),
+        (_claim("pod-c", 3, 1, 3), "node pod-c is refused: data parallel rank 2 is already "
+         "held by node pod-a; give each headless node its own -dpr"),  # refused for good
+    ]
+    for claim, message in refusals:
+        with pytest.raises(NodeRefused) as refused:
+            roster.admit(claim)
+        assert str(refused.value) == message
+    assert roster.admit(_claim("pod-a", 1, 2, 1)) == 1
+    assert roster.admit(_claim("pod-e", 3, 1, 3)) == 3  # the refusals took nothing
+
+
+def test_an_api_server_only_head_waits_for_every_rank() -> None:
+    config = ParallelArgs(data_parallel_size=4, data_parallel_size_local=0).parallel_config()
+    assert (config.data_parallel.local_ranks, config.data_parallel.remote_ranks) == (
+        range(0, 0), range(0, 4))
+    node = ParallelArgs(data_parallel_size=4, headless=True).parallel_config().data_parallel
+    assert (node.local_ranks, node.remote_ranks) == (range(0, 4), range(0))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"data_parallel_start_rank": 2}, r"start_rank 2 runs engines only: add --headless"),
+    ({"data_parallel_start_rank": 2, "data_parallel_size_local": 3, "headless": True},
+     r"ranks 2-4 \(-dpr 2 -dpl 3\) go beyond data_parallel_size 4"),
+    ({"data_parallel_size_local": 0, "headless": True}, "with data_parallel_size_local 0 runs "
+                                                        "nothing"),
+    ({"data_parallel_rank": 4}, "data_parallel_rank 4 must be below data_parallel_size 4"),
+    ({"data_parallel_rank": 1, "data_parallel_size_local": 1}, "leave out -dpl, -dpr and "
+                                                               "--headless"),
+    ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray' is not supported"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+     "data parallelism combined with distributed_executor_backend 'ray' is not supported"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "data parallelism combined with --nnodes"),
+])
+def test_inconsistent_data_parallel_layouts_are_one_line(flags: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelArgs(data_parallel_size=4, **flags).parallel_config()
+
+
+def test_bound_threads_with_data_and_tensor_parallelism_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND with data parallelism and "
+                                         "tensor or pipeline parallelism together"):
+        ParallelArgs(data_parallel_size=2, tensor_parallel_size=2).parallel_config()
+    assert ParallelArgs(data_parallel_size=2).parallel_config().data_parallel.size == 2
