@@ -16,10 +16,11 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import gguf
 import torch
 from torch import nn
 
-from pagellm.model.arch import ArchConfig, arch_from_hf_config
+from pagellm.model.arch import ArchConfig, arch_from_hf_config, gguf_field
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.quantized import Linear
@@ -51,6 +52,20 @@ def moe_arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
                                moe_intermediate_size=config["moe_intermediate_size"],
                                norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                                dense_layers=dense_layers)
+
+
+def moe_arch_from_gguf(reader: gguf.GGUFReader, arch: str, dense: ArchConfig) -> ArchConfig:
+    """llama.cpp's expert keys (`{arch}.expert_count`, `.expert_used_count` and, for
+    Qwen3-MoE, `.expert_feed_forward_length`) on top of the attention read by
+    arch_from_gguf. As in llama.cpp, every layer is routed and the chosen experts' weights
+    are renormalized, in both architectures: a GGUF carries no `norm_topk_prob`, and
+    transformers' GGUF loader sets it likewise."""
+    return dataclasses.replace(
+        dense, num_experts=int(gguf_field(reader, f"{arch}.expert_count")),
+        num_experts_per_tok=int(gguf_field(reader, f"{arch}.expert_used_count")),
+        moe_intermediate_size=int(gguf_field(reader, f"{arch}.expert_feed_forward_length",
+                                             dense.intermediate_size)),
+        norm_topk_prob=True, dense_layers=[])
 
 
 class SparseMoE(nn.Module):
