@@ -5,9 +5,10 @@ Each token's router picks its `num_experts_per_tok` experts from a softmax over 
 `norm_topk_prob`). The step's (token, expert) pairs are then sorted by expert, and every
 expert that any token chose multiplies all of its tokens at once: one gate/up and one down
 matmul per active expert for the whole batch, whatever its size, through the same `Linear`
-projections (packed float weights) as the dense MLP. Each expert is a `GatedMLP`, so the
-checkpoints' per-expert names (`experts.3.gate_proj`, Mixtral's `experts.3.w1`) load through
-Llama's fused-shard loading.
+projections (packed float weights, or a GGUF's codes as stored) as the dense MLP. Each
+expert is a `GatedMLP`, so the checkpoints' per-expert names (`experts.3.gate_proj`,
+Mixtral's `experts.3.w1`, a GGUF's stacked experts once cut by gguf_weights.hf_names) load
+through Llama's fused-shard loading.
 """
 
 from __future__ import annotations
