@@ -74,6 +74,11 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 96, "norm_topk_prob": False,
                                      "mlp_only_layers": [1]}),
+    # a shared expert beside the routed ones; decoder_sparse_step 2 leaves layer 0 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 96,
+                                     "shared_expert_intermediate_size": 160,
+                                     "decoder_sparse_step": 2}),
     # the Qwen3-MoE llama.cpp converts: every layer routed, the chosen weights renormalized
     "qwen3_moe_gguf": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4,
                                           "num_experts_per_tok": 2, "moe_intermediate_size": 96,

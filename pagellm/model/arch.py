@@ -20,11 +20,11 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
-                         "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe")
 # GGUF `general.architecture` names that differ from the HF model type (llama.cpp writes
 # Mixtral as `llama` with experts: see gguf_model_type)
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -58,12 +58,14 @@ class ArchConfig:
     final_logit_softcapping: float | None = None
     # Mixture of experts (moe.py): experts per MoE layer (0: a dense model), experts each
     # token runs, their hidden size, whether the chosen experts' weights are renormalized to
-    # sum to 1, and the layers that keep a dense MLP
+    # sum to 1, the layers that keep a dense MLP, and the hidden size of the shared expert
+    # every token also runs (0: none)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     dense_layers: list[int] | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): Llama's layers with a routed MLP.
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama's layers with a routed
+MLP.
 
 Each token's router picks its `num_experts_per_tok` experts from a softmax over all of them
 (renormalized over the chosen ones where the model does: Mixtral always, Qwen3-MoE with
@@ -8,7 +9,8 @@ matmul per active expert for the whole batch, whatever its size, through the sam
 projections (packed float weights, or a GGUF's codes as stored) as the dense MLP. Each
 expert is a `GatedMLP`, so the checkpoints' per-expert names (`experts.3.gate_proj`,
 Mixtral's `experts.3.w1`, a GGUF's stacked experts once cut by gguf_weights.hf_names) load
-through Llama's fused-shard loading.
+through Llama's fused-shard loading. Qwen2-MoE adds a shared expert that every token runs, its
+output scaled by a sigmoid gate of the token.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.quantized import Linear
 
 # The dense family whose attention each MoE type shares.
-_DENSE_FAMILY = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+_DENSE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # Mixtral's checkpoint names -> Llama's.
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
                   ".w2.": ".down_proj."}
@@ -52,7 +54,12 @@ def moe_arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
                                num_experts_per_tok=config["num_experts_per_tok"],
                                moe_intermediate_size=config["moe_intermediate_size"],
                                norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                               dense_layers=dense_layers)
+                               dense_layers=dense_layers,
+                               # Qwen2-MoE: q/k/v bias unless `qkv_bias` is false
+                               attention_bias=dense.attention_bias
+                               and bool(config.get("qkv_bias", True)),
+                               shared_expert_intermediate_size=config.get(
+                                   "shared_expert_intermediate_size", 0))
 
 
 def moe_arch_from_gguf(reader: gguf.GGUFReader, arch: str, dense: ArchConfig) -> ArchConfig:
@@ -70,7 +77,8 @@ def moe_arch_from_gguf(reader: gguf.GGUFReader, arch: str, dense: ArchConfig) ->
 
 
 class SparseMoE(nn.Module):
-    """A router (`gate`) over `experts`, each a SwiGLU MLP."""
+    """A router (`gate`) over `experts`, each a SwiGLU MLP; where the model has one, a
+    `shared_expert` for every token, scaled by sigmoid(`shared_expert_gate`(x))."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -79,6 +87,11 @@ class SparseMoE(nn.Module):
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(arch.hidden_size, size)
                                      for _ in range(arch.num_experts))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> each token's chosen experts [T, k] and their weights [T, k] (x's dtype), from a
@@ -104,6 +117,8 @@ class SparseMoE(nn.Module):
             rows, end = tokens[start:start + count], start + count
             out.index_add_(0, rows, self.experts[expert](x[rows]) * pair_weights[start:end])
             start = end
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
