@@ -133,8 +133,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     print(f"{args.dtype}, {torch.get_num_threads()} threads, context {args.context}, "
           f"median of {args.steps} steps")
-    print("| model | matmul weights (M) | active (M) | batch | ms / step | tokens / s | experts run |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | matmul weights (M) | active (M) | batch | ms / step | tokens / s "
+          "| experts run |\n| --- | --- | --- | --- | --- | --- | --- |")
     for moe in (True, False):
         arch = arch_of(args, moe)
         net = random_model(arch, dtype)
