@@ -87,8 +87,9 @@ def test_unreadable_tensor_type_is_one_line_naming_it(tmp_path: Path) -> None:
     assert "'blk.0.ffn_up.weight' has the GGUF type Q8_K" in message
 
 
-def test_unsupported_architecture_is_one_line_naming_it(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "phi.gguf", "phi2", np.zeros((64, 32), dtype=np.float32))
-    with pytest.raises(ModelLoadError, match="Unsupported model_type 'phi2'") as error:
+@pytest.mark.parametrize("arch", ["phi2", "qwen2moe"])  # qwen2moe: experts and a shared one
+def test_unsupported_architecture_is_one_line_naming_it(tmp_path: Path, arch: str) -> None:
+    path = _write_gguf(tmp_path / f"{arch}.gguf", arch, np.zeros((64, 32), dtype=np.float32))
+    with pytest.raises(ModelLoadError, match=f"Unsupported model_type '{arch}'") as error:
         load_model(str(path), torch.float32, CPU)
     assert "\n" not in str(error.value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,17 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4,
                                   "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                     "moe_intermediate_size": 96, "norm_topk_prob": False,
                                      "mlp_only_layers": [1]}),
+    # a shared expert beside the routed ones; decoder_sparse_step 2 leaves layer 0 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 96,
+                                     "shared_expert_intermediate_size": 160,
+                                     "decoder_sparse_step": 2}),
+    # the Qwen3-MoE llama.cpp converts: every layer routed, the chosen weights renormalized
+    "qwen3_moe_gguf": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 4,
+                                          "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                                          "norm_topk_prob": True}),
     # six layers: five sliding-window ones (a window of 8, shorter than the prompts) and a
     # global one with linear RoPE scaling; a softcap and an attention scale not 1/sqrt(d)
     "gemma3_text": ("Gemma3TextConfig", {
@@ -143,12 +153,14 @@ def write_tiny_gguf(folder: Path, path: Path,
     """Convert a tiny HF folder to a GGUF laid out as llama.cpp's converter does.
 
     Names come from gguf-py's own tensor map; Llama-type q/k rows get llama.cpp's
-    permutation and Llama 3 RoPE scaling becomes a `rope_freqs` tensor. Tensors are F32,
-    except the layers' projection matrices with a `quantization` (e.g. Q4_1) and the
-    embeddings and output projection with an `embedding_quantization` (e.g. Q8_0).
+    permutation, Llama 3 RoPE scaling becomes a `rope_freqs` tensor and each layer's experts
+    are stacked into one `ffn_*_exps` tensor per projection. Tensors are F32, except the
+    layers' projection matrices (experts included, routers not, as llama.cpp's quantizer
+    does) with a `quantization` (e.g. Q4_1) and the embeddings and output projection with
+    an `embedding_quantization` (e.g. Q8_0).
     """
     config = json.loads((folder / "config.json").read_text())
-    arch = {"llama": "llama", "mistral": "llama",
+    arch = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe",
             "gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     rope = config.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (the GGUF's)
@@ -171,8 +183,10 @@ def write_tiny_gguf(folder: Path, path: Path,
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    _add_experts(writer, config)
     for name, values in _gguf_tensors(folder, config, arch):
-        kind = (quantization if name.startswith("blk.") and values.ndim == 2 else
+        matrix = values.ndim >= 2 and ".ffn_gate_inp." not in name
+        kind = (quantization if name.startswith("blk.") and matrix else
                 embedding_quantization if name in ("token_embd.weight", "output.weight") else None)
         if kind is not None:
             writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
@@ -187,6 +201,34 @@ def write_tiny_gguf(folder: Path, path: Path,
     return path
 
 
+def _add_experts(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """llama.cpp's expert keys: Mixtral's experts have `intermediate_size`, Qwen3-MoE's
+    `moe_intermediate_size` (its dense layers `intermediate_size`)."""
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`...experts.E.w1.weight` for every E -> one `...experts.w1.weight` [experts, out, in],
+    the name gguf-py's map knows."""
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.*)", name)
+        if match:
+            stacked.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor
+        else:
+            out[name] = tensor
+    for name, experts in stacked.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
 def _gguf_tensors(folder: Path, config: dict[str, Any],
                   arch: str) -> list[tuple[str, np.ndarray]]:
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
@@ -194,6 +236,7 @@ def _gguf_tensors(folder: Path, config: dict[str, Any],
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
+    tensors = _stacked_experts(tensors)
     out = []
     for name, tensor in tensors.items():
         values = tensor.numpy()

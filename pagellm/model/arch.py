@@ -20,9 +20,11 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
-                         "qwen3_moe")
-# GGUF `general.architecture` names that differ from the HF model type
-_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+                         "qwen2_moe", "qwen3_moe")
+# GGUF `general.architecture` names that differ from the HF model type (llama.cpp writes
+# Mixtral as `llama` with experts: see gguf_model_type)
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -56,12 +58,14 @@ class ArchConfig:
     final_logit_softcapping: float | None = None
     # Mixture of experts (moe.py): experts per MoE layer (0: a dense model), experts each
     # token runs, their hidden size, whether the chosen experts' weights are renormalized to
-    # sum to 1, and the layers that keep a dense MLP
+    # sum to 1, the layers that keep a dense MLP, and the hidden size of the shared expert
+    # every token also runs (0: none)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True
     dense_layers: list[int] | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -87,7 +91,7 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
     if model_type == "gemma3_text":
         from pagellm.model.gemma3 import gemma3_arch_from_hf_config
         return gemma3_arch_from_hf_config(config)
-    if model_type in ("mixtral", "qwen3_moe"):
+    if model_type in MOE_MODEL_TYPES:
         from pagellm.model.moe import moe_arch_from_hf_config
         return moe_arch_from_hf_config(config)
     if config.get("mlp_bias"):
@@ -146,15 +150,16 @@ def _hf_max_positions(config: dict[str, Any]) -> int:
 def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
     """Read llama.cpp metadata (`{arch}.block_count`, ...) into an `ArchConfig`."""
     arch = gguf_field(reader, "general.architecture")
-    check_model_type(_GGUF_MODEL_TYPES.get(arch, arch))
+    model_type = gguf_model_type(reader, arch)
+    check_model_type(model_type)
     if arch == "gemma3":
         from pagellm.model.gemma3 import gemma3_arch_from_gguf
         return gemma3_arch_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
-    return ArchConfig(
-        model_type=arch,
+    config = ArchConfig(
+        model_type=model_type,
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         hidden_size=hidden,
         intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -173,6 +178,17 @@ def arch_from_gguf(reader: gguf.GGUFReader) -> ArchConfig:
         bos_token_id=_optional_int(gguf_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_id=_optional_int(gguf_field(reader, "tokenizer.ggml.eos_token_id", None)),
     )
+    if model_type in MOE_MODEL_TYPES:
+        from pagellm.model.moe import moe_arch_from_gguf
+        return moe_arch_from_gguf(reader, arch, config)
+    return config
+
+
+def gguf_model_type(reader: gguf.GGUFReader, arch: str) -> str:
+    """The HF model type of a GGUF `general.architecture`: `llama` with experts is Mixtral."""
+    if arch == "llama" and int(gguf_field(reader, "llama.expert_count", 0)) > 0:
+        return "mixtral"
+    return _GGUF_MODEL_TYPES.get(arch, arch)
 
 
 def gguf_rope_scaling(reader: gguf.GGUFReader, arch: str,

@@ -1,4 +1,4 @@
-"""Read llama.cpp GGUF tensors as HF-named float tensors."""
+"""Read llama.cpp GGUF tensors under HF names: as float tensors, or as codes and scales."""
 
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# Stacked experts [experts, out, in] -> each expert's projection (moe.py's names).
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 # Gemma 3 names its four norms a layer differently (ffn_norm comes before its MLP there).
 _ARCH_BLOCK_NAMES = {"gemma3_text": {**_BLOCK_NAMES,
                                      "post_attention_norm": "post_attention_layernorm",
@@ -37,7 +41,7 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 # llama.cpp reorders q/k rows of these architectures for its interleaved RoPE; Qwen's
 # converters keep HF's layout.
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
 # llama.cpp stores these architectures' norms as 1 + w, HF checkpoints (and so load_weights) as w.
 _NORM_PLUS_ONE_ARCHITECTURES = ("gemma3_text",)
 
@@ -45,23 +49,46 @@ _NORM_PLUS_ONE_ARCHITECTURES = ("gemma3_text",)
 def gguf_weights(reader: gguf.GGUFReader, arch: ArchConfig,
                  wanted: Callable[[str], bool] = lambda name: True
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor whose HF name is `wanted` to float and yield it under that
-    name and its HF shape."""
+    """Dequantize every tensor whose HF name is `wanted` (any expert's, for stacked
+    experts) to float and yield it under that name and its HF shape, one matrix per
+    expert."""
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name, arch.model_type)
-        if not wanted(name):
+        names = hf_names(tensor, arch.model_type)
+        if not any(wanted(name) for name, _ in names):
             continue
         values = _dequantized(tensor)
-        if arch.model_type in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
-            values = values - 1.0
-        if arch.model_type in _PERMUTED_ARCHITECTURES:
-            if ".q_proj." in name:
-                values = _unpermute_rows(values, arch.num_attention_heads)
-            elif ".k_proj." in name:
-                values = _unpermute_rows(values, arch.num_key_value_heads)
-        yield name, values
+        for name, expert in names:
+            if wanted(name):
+                yield name, _in_hf_layout(name, values if expert is None else values[expert],
+                                          arch)
+
+
+def _in_hf_layout(name: str, values: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
+    """Undo llama.cpp's storage conventions: norms as 1 + w, q/k rows permuted."""
+    if arch.model_type in _NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
+        values = values - 1.0
+    if arch.model_type in _PERMUTED_ARCHITECTURES:
+        if ".q_proj." in name:
+            values = _unpermute_rows(values, arch.num_attention_heads)
+        elif ".k_proj." in name:
+            values = _unpermute_rows(values, arch.num_key_value_heads)
+    return values
+
+
+def hf_names(tensor: gguf.ReaderTensor, model_type: str | None = None
+             ) -> list[tuple[str, int | None]]:
+    """The HF name of each matrix a tensor holds, with its index along the tensor's first
+    dimension: `blk.3.ffn_up_exps.weight` [experts, out, in] ->
+    (`model.layers.3.mlp.experts.E.up_proj.weight`, E) for every expert E; any other tensor
+    -> its one name (hf_name) and None."""
+    parts = tensor.name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _EXPERT_NAMES:
+        prefix = f"model.layers.{parts[1]}.mlp.experts"
+        return [(f"{prefix}.{expert}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}", expert)
+                for expert in range(int(tensor.shape[-1]))]
+    return [(hf_name(tensor.name, model_type), None)]
 
 
 def hf_name(gguf_name: str, model_type: str | None = None) -> str:
@@ -100,25 +127,37 @@ def gguf_quantized_weights(reader: gguf.GGUFReader,
     Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
     Q4_K and Q5_K `d * sc * code - dmin * mn`, with 6-bit sc and mn per group of 32 and fp16
     d and dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer). Q5_K's
-    5-bit codes are kept as 8-bit ones.
+    5-bit codes are kept as 8-bit ones. Stacked experts (`ffn_*_exps`) are read as one
+    matrix of all their rows, then cut into one per expert.
     """
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_name(tensor.name, arch.model_type)
+        names = hf_names(tensor, arch.model_type)
         weight = _GROUP_READERS[tensor.tensor_type](tensor)
-        if arch.model_type in _PERMUTED_ARCHITECTURES:
-            heads = (arch.num_attention_heads if ".q_proj." in name
-                     else arch.num_key_value_heads if ".k_proj." in name else 0)
-            if heads:
-                weight = weight.map_rows(lambda rows, h=heads: _unpermute_rows(rows, h))
-        yield name, weight
+        rows = weight.codes.shape[0] // len(names)  # stacked experts: each one's rows
+        for name, expert in names:
+            # a copy, not a view: tensors sharing memory cannot be saved (prepared_weights.py)
+            part = weight if expert is None else weight.map_rows(
+                lambda t, start=expert * rows: t[start:start + rows].clone())
+            yield name, _unpermuted_groups(name, part, arch)
+
+
+def _unpermuted_groups(name: str, weight: GroupQuantWeight,
+                       arch: ArchConfig) -> GroupQuantWeight:
+    """q/k rows in HF's order (see _in_hf_layout)."""
+    if arch.model_type not in _PERMUTED_ARCHITECTURES:
+        return weight
+    heads = (arch.num_attention_heads if ".q_proj." in name
+             else arch.num_key_value_heads if ".k_proj." in name else 0)
+    return weight.map_rows(lambda rows: _unpermute_rows(rows, heads)) if heads else weight
 
 
 def _blocks(tensor: gguf.ReaderTensor, header: int, code_bytes: int) -> tuple[np.ndarray, int, int]:
     """The tensor's blocks (of 32 weights, 256 for K-quants) as rows of bytes, and its
-    (rows, cols)."""
-    rows, cols = (int(d) for d in reversed(tensor.shape))
+    (rows, cols): stacked experts' rows one expert after the other."""
+    cols = int(tensor.shape[0])
+    rows = int(np.prod(tensor.shape[1:]))
     return np.asarray(tensor.data, dtype=np.uint8).reshape(-1, header + code_bytes), rows, cols
 
 

@@ -1,13 +1,16 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): Llama's layers with a routed MLP.
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): Llama's layers with a routed
+MLP.
 
 Each token's router picks its `num_experts_per_tok` experts from a softmax over all of them
 (renormalized over the chosen ones where the model does: Mixtral always, Qwen3-MoE with
 `norm_topk_prob`). The step's (token, expert) pairs are then sorted by expert, and every
 expert that any token chose multiplies all of its tokens at once: one gate/up and one down
 matmul per active expert for the whole batch, whatever its size, through the same `Linear`
-projections (packed float weights) as the dense MLP. Each expert is a `GatedMLP`, so the
-checkpoints' per-expert names (`experts.3.gate_proj`, Mixtral's `experts.3.w1`) load through
-Llama's fused-shard loading.
+projections (packed float weights, or a GGUF's codes as stored) as the dense MLP. Each
+expert is a `GatedMLP`, so the checkpoints' per-expert names (`experts.3.gate_proj`,
+Mixtral's `experts.3.w1`, a GGUF's stacked experts once cut by gguf_weights.hf_names) load
+through Llama's fused-shard loading. Qwen2-MoE adds a shared expert that every token runs, its
+output scaled by a sigmoid gate of the token.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import gguf
 import torch
 from torch import nn
 
-from pagellm.model.arch import ArchConfig, arch_from_hf_config
+from pagellm.model.arch import ArchConfig, arch_from_hf_config, gguf_field
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.quantized import Linear
 
 # The dense family whose attention each MoE type shares.
-_DENSE_FAMILY = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+_DENSE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # Mixtral's checkpoint names -> Llama's.
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
                   ".w2.": ".down_proj."}
@@ -50,11 +54,31 @@ def moe_arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
                                num_experts_per_tok=config["num_experts_per_tok"],
                                moe_intermediate_size=config["moe_intermediate_size"],
                                norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                               dense_layers=dense_layers)
+                               dense_layers=dense_layers,
+                               # Qwen2-MoE: q/k/v bias unless `qkv_bias` is false
+                               attention_bias=dense.attention_bias
+                               and bool(config.get("qkv_bias", True)),
+                               shared_expert_intermediate_size=config.get(
+                                   "shared_expert_intermediate_size", 0))
+
+
+def moe_arch_from_gguf(reader: gguf.GGUFReader, arch: str, dense: ArchConfig) -> ArchConfig:
+    """llama.cpp's expert keys (`{arch}.expert_count`, `.expert_used_count` and, for
+    Qwen3-MoE, `.expert_feed_forward_length`) on top of the attention read by
+    arch_from_gguf. As in llama.cpp, every layer is routed and the chosen experts' weights
+    are renormalized, in both architectures: a GGUF carries no `norm_topk_prob`, and
+    transformers' GGUF loader sets it likewise."""
+    return dataclasses.replace(
+        dense, num_experts=int(gguf_field(reader, f"{arch}.expert_count")),
+        num_experts_per_tok=int(gguf_field(reader, f"{arch}.expert_used_count")),
+        moe_intermediate_size=int(gguf_field(reader, f"{arch}.expert_feed_forward_length",
+                                             dense.intermediate_size)),
+        norm_topk_prob=True, dense_layers=[])
 
 
 class SparseMoE(nn.Module):
-    """A router (`gate`) over `experts`, each a SwiGLU MLP."""
+    """A router (`gate`) over `experts`, each a SwiGLU MLP; where the model has one, a
+    `shared_expert` for every token, scaled by sigmoid(`shared_expert_gate`(x))."""
 
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
@@ -63,6 +87,11 @@ class SparseMoE(nn.Module):
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(arch.hidden_size, size)
                                      for _ in range(arch.num_experts))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> each token's chosen experts [T, k] and their weights [T, k] (x's dtype), from a
@@ -74,20 +103,30 @@ class SparseMoE(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each expert's rows in one matmul, then each token's k outputs summed in ascending
+        expert order, as transformers adds them. No index_add_: torch opens a parallel
+        region for it at any size, which on a busy CPU cost 50 ms a call at one token."""
         experts, weights = self.route(x)
+        experts, choice = experts.sort(dim=-1)  # a token's experts in ascending order
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // self.top_k
-        pair_weights = weights.reshape(-1)[order, None]
+        pair_weights = weights.gather(-1, choice).reshape(-1)[order, None]
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
+        pairs = x.new_empty(len(flat), x.shape[1])
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows, end = tokens[start:start + count], start + count
-            out.index_add_(0, rows, self.experts[expert](x[rows]) * pair_weights[start:end])
+            end = start + count
+            pairs[start:end] = self.experts[expert](x[tokens[start:end]]) * pair_weights[start:end]
             start = end
+        by_token = pairs[torch.argsort(order)].view(len(x), self.top_k, x.shape[1])
+        out = by_token[:, 0]
+        for k in range(1, self.top_k):
+            out = out + by_token[:, k]
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
