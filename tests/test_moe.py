@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_models import assert_matches_transformers
 
+from pagellm.distributed.sharding import check_shardable
 from pagellm.model.arch import arch_from_hf_config
 from pagellm.model.layers import GatedMLP
 from pagellm.model.loader import LoadedModel, load_model
@@ -82,3 +83,13 @@ def test_qwen2_moe_config_switches(tiny_model_factory: Callable[[str], Path]) ->
     assert (arch.attention_bias, arch.shared_expert_intermediate_size) == (True, 160)
     assert arch.dense_layers == [0] and not arch.norm_topk_prob
     assert not arch_from_hf_config({**config, "qkv_bias": False}).attention_bias
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_splitting_experts_over_ranks_is_refused_in_one_line(
+        model_type: str, tiny_model_factory: Callable[[str], Path]) -> None:
+    config = json.loads((tiny_model_factory(model_type) / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"^{model_type} is a mixture-of-experts model, "
+                                         r"which pagellm does not split over ranks yet") as error:
+        check_shardable(arch_from_hf_config(config), tp=1)
+    assert "\n" not in str(error.value)

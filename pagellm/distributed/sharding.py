@@ -44,8 +44,13 @@ class Cut:
     zero: bool = False
 
 
-def check_divisible(arch: ArchConfig, tp: int) -> None:
-    """vLLM's conditions for splitting a model over `tp` ranks."""
+def check_shardable(arch: ArchConfig, tp: int) -> None:
+    """vLLM's conditions for splitting a model over `tp` ranks, and what pagellm's ranks
+    cannot split yet: the experts of a mixture-of-experts model."""
+    if arch.num_experts:
+        raise ValueError(f"{arch.model_type} is a mixture-of-experts model, which pagellm does "
+                         "not split over ranks yet (tensor or pipeline parallelism): serve it "
+                         "in one process.")
     if arch.num_attention_heads % tp:
         raise ValueError(f"Total number of attention heads ({arch.num_attention_heads}) must "
                          f"be divisible by tensor parallel size ({tp}).")
@@ -64,7 +69,7 @@ class ShardLayout(WeightShard):
     sliced = True
 
     def __init__(self, arch: ArchConfig, info: RankInfo) -> None:
-        check_divisible(arch, info.tp_size)
+        check_shardable(arch, info.tp_size)
         self.arch, self.info = arch, info
         tp, rank = info.tp_size, info.tp_rank
         self.layers = get_pp_indices(arch.num_hidden_layers, info.pp_rank, info.pp_size)
