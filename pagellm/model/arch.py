@@ -19,8 +19,8 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "gemma3_text",
-                         "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
+                         "qwen3_moe", "ministral3")
 # GGUF `general.architecture` names that differ from the HF model type
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
