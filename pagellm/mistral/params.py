@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.logger import init_logger
-from pagellm.model.arch import ArchConfig, arch_from_hf_config
 from pagellm.mistral.formats import PARAMS_FILE
+from pagellm.model.arch import ArchConfig, arch_from_hf_config
 from pagellm.model.errors import model_file_error, reading
 
 logger = init_logger(__name__)

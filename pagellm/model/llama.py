@@ -1,4 +1,4 @@
-"""One decoder serving Llama, Mistral, Qwen2 and Qwen3 over the paged KV cache.
+"""One decoder serving Llama, Mistral, Ministral 3, Qwen2 and Qwen3 over the paged KV cache.
 
 The forward pass takes the whole step as one flat token dimension (no batch
 dimension): prefill chunks and decode tokens of all requests side by side.
