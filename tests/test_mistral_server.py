@@ -102,8 +102,9 @@ def _drop_tensor(folder: Path) -> str:
 BROKEN = {
     "missing key": (_edit_params(lambda p: p.pop("n_heads")), "lacks the key 'n_heads'"),
     "moe": (_edit_params(lambda p: p.update(moe={"num_experts": 8})), "the key 'moe'"),
-    "vision encoder": (_edit_params(lambda p: p.update(vision_encoder={"hidden_size": 8})),
-                       "the key 'vision_encoder'"),
+    "yarn key": (_edit_params(lambda p: p.update(yarn={
+        "factor": 4.0, "original_max_position_embeddings": 32, "apply_scale": False,
+        "gamma": 1.0})), "yarn keys ['gamma'] are not supported"),
     "missing tensor": (_drop_tensor, "missing 1 weight"),
 }
 

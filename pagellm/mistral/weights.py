@@ -31,6 +31,9 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight",
           "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+# the vision encoder and its adapter to the language model (Pixtral, Mistral 3)
+VISION_PREFIXES = ("vision_encoder.", "vision_language_adapter.", "patch_merger.",
+                   "pre_mm_projector_norm.")
 
 
 def hf_name(name: str) -> str | None:
@@ -64,13 +67,17 @@ def consolidated_files(folder: Path) -> list[Path]:
     return files
 
 
-def mistral_weights(folder: Path, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def mistral_weights(folder: Path, arch: ArchConfig, vision: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of the consolidated files, q/k rows in HF's rotary layout; a tensor
-    no text model has fails naming its file."""
+    no text model has fails naming its file. `vision`: params.json has a vision encoder,
+    whose tensors are skipped (the language model is served alone)."""
     for file in consolidated_files(folder):
         with reading(file, "not a readable safetensors file"):
             handle = safe_open(file, framework="pt", device="cpu")
         for name in handle.keys():
+            if vision and name.startswith(VISION_PREFIXES):
+                continue
             target = hf_name(name)
             if target is None:
                 raise model_file_error(file, f"unexpected tensor {name!r} for a Mistral "

@@ -20,12 +20,18 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe", "ministral3")
 # GGUF `general.architecture` names that differ from the HF model type (llama.cpp writes
 # Mixtral as `llama` with experts: see gguf_model_type)
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")
+# the keys each RoPE type reads (layers.py); another key is refused rather than ignored
+_ROPE_KEYS = {"linear": {"factor"}, "freq_factors": {"factors"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"},
+              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "attention_factor", "truncate"}}
 
 
 @dataclass
@@ -66,6 +72,10 @@ class ArchConfig:
     norm_topk_prob: bool = True
     dense_layers: list[int] | None = None
     shared_expert_intermediate_size: int = 0
+    # Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / positions)), with
+    # `positions` YaRN's original_max_position_embeddings (0.0: no scaling)
+    llama_4_scaling_beta: float = 0.0
+    llama_4_scaling_positions: int = 0
 
     def __post_init__(self) -> None:
         check_model_type(self.model_type)
@@ -73,6 +83,17 @@ class ArchConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"Unsupported RoPE scaling {rope_type!r}; supported RoPE types are: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+        unknown = set(self.rope_scaling or {}) - {"rope_type"} - _ROPE_KEYS.get(rope_type, set())
+        if unknown:
+            raise ValueError(f"RoPE scaling {rope_type!r} with {', '.join(sorted(unknown))} is "
+                             "not supported.")
+        missing = {"yarn": {"factor", "original_max_position_embeddings"}}.get(
+            rope_type, set()) - set(self.rope_scaling or {})
+        if missing:
+            raise ValueError(f"RoPE scaling {rope_type!r} needs {', '.join(sorted(missing))}.")
+        if self.llama_4_scaling_beta and self.llama_4_scaling_positions <= 0:
+            raise ValueError("llama_4_scaling_beta needs the RoPE scaling's "
+                             "original_max_position_embeddings.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads}).")
@@ -86,6 +107,9 @@ def check_model_type(model_type: str | None) -> None:
 
 def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
     """Read a `config.json` dict (transformers 4 or 5 layout)."""
+    from pagellm.model.vision_language import is_vision_language, text_config
+    if is_vision_language(config):
+        return arch_from_hf_config(text_config(config))
     model_type = config.get("model_type")
     check_model_type(model_type)
     if model_type == "gemma3_text":
@@ -98,6 +122,9 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
         raise ValueError("Models with mlp_bias=True are not supported.")
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = hf_rope(config)
+    beta = (rope_scaling or {}).pop("llama_4_scaling_beta", None)
+    if beta is not None and model_type != "ministral3":
+        raise ValueError(f"llama_4_scaling_beta is only read for ministral3, not {model_type}.")
     bias = bool(config.get("attention_bias", False))
     return ArchConfig(
         model_type=model_type,
@@ -118,6 +145,9 @@ def arch_from_hf_config(config: dict[str, Any]) -> ArchConfig:
         qk_norm=model_type == "qwen3",
         bos_token_id=config.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"),
+        llama_4_scaling_beta=float(beta or 0.0),
+        llama_4_scaling_positions=int((rope_scaling or {}).get(
+            "original_max_position_embeddings", 0)) if beta else 0,
     )
 
 
@@ -130,7 +160,9 @@ def hf_rope(config: dict[str, Any], layer_type: str | None = None
         params = dict(params[layer_type])
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if rope_type == "default":
+    params.pop("type", None)
+    params.pop("max_position_embeddings", None)  # Ministral 3 repeats the model's here
+    if rope_type == "default" and "llama_4_scaling_beta" not in params:
         return theta, None
     return theta, {"rope_type": rope_type, **params}
 
@@ -139,7 +171,8 @@ def _hf_max_positions(config: dict[str, Any]) -> int:
     """Cap the context at the sliding window: attention is then exact without a window mask."""
     max_positions = int(config.get("max_position_embeddings", 2048))
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", config["model_type"] == "mistral")
+    uses_window = config.get("use_sliding_window",
+                             config["model_type"] in ("mistral", "ministral3"))
     if window and uses_window and window < max_positions:
         logger.warning("Sliding-window attention is not implemented; limiting the context to the "
                        "window of %d tokens.", window)

@@ -66,7 +66,48 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_frequencies(inv_freq, theta, scaling)
     return inv_freq
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, theta: float,
+                      scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: pairs that turn more than `beta_fast` times over the original context keep their
+    speed, pairs that turn fewer than `beta_slow` times are slowed by `factor`, and a linear
+    ramp over the pair index blends the band between (transformers' `yarn`)."""
+    dim = 2 * inv_freq.numel()
+    original_len = scaling["original_max_position_embeddings"]
+
+    def pair_turning(rotations: float) -> float:  # the pair index that turns `rotations` times
+        return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = pair_turning(scaling.get("beta_fast") or 32)
+    high = pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN's scale of cos and sin (so of q.k by its square): `attention_factor`, else from
+    `factor` and the `mscale` pair as transformers derives it; 1 for other RoPE types."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        factor = scaling["factor"]
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -100,7 +141,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         angles = positions[:, None] * inv_freq[None, :]
-        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return torch.cat([angles.cos(), angles.sin()], dim=-1) * rope_attention_factor(
+            self.scaling)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """Each position's row `[T, head_dim]`: cos of every pair, then sin of every pair."""

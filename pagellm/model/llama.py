@@ -1,4 +1,4 @@
-"""One decoder serving Llama, Mistral, Qwen2 and Qwen3 over the paged KV cache.
+"""One decoder serving Llama, Mistral, Ministral 3, Qwen2 and Qwen3 over the paged KV cache.
 
 The forward pass takes the whole step as one flat token dimension (no batch
 dimension): prefill chunks and decode tokens of all requests side by side.
@@ -45,10 +45,10 @@ class Attention(nn.Module):
         self.window = 0  # > 0: a sliding-window layer, whose queries see that many keys
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, output_rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                metadata: AttentionMetadata, output_rows: torch.Tensor | None = None,
+                query_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Every token's keys and values go to the cache; the output is `output_rows`' only
-        (all rows if None)."""
+        (all rows if None). `query_scales` `[T]` multiply each token's rotated query."""
         qkv = self.qkv_proj(x)
         num_tokens, q_size, kv_size = qkv.shape[0], *self.shard_sizes[:2]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -62,6 +62,8 @@ class Attention(nn.Module):
             rotate_(qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim), angles)
             q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if query_scales is not None:
+            q = q * query_scales.to(q.dtype)[:, None, None]
         out = paged_attention(q, k, v, kv_cache, metadata, scale=self.scale, window=self.window)
         return self.o_proj(out if output_rows is None else out[output_rows])
 
@@ -76,14 +78,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, angles: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                output_rows: torch.Tensor | None = None,
+                query_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the running sum before it): the next norm adds them.
         With `output_rows`, of those rows only (their keys and values are all cached)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, angles, kv_cache, metadata, output_rows)
+        x = self.self_attn(x, angles, kv_cache, metadata, output_rows, query_scales)
         if output_rows is not None:
             residual = residual[output_rows]
         x, residual = self.post_attention_layernorm(x, residual)
@@ -101,6 +104,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
                                           arch.rope_theta, arch.rope_scaling)
+        self.llama_4_scaling = (arch.llama_4_scaling_beta, arch.llama_4_scaling_positions)
+
+    def query_scales(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's per-token query scale, `1 + beta * log(1 + floor(pos / n))`: 1 within
+        the original context of n positions, growing slowly past it (None without beta)."""
+        beta, original = self.llama_4_scaling
+        if not beta:
+            return None
+        return 1 + beta * torch.log(1 + torch.div(positions, original, rounding_mode="floor")
+                                      .float())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
@@ -117,11 +130,11 @@ class DecoderModel(nn.Module):
                    metadata: AttentionMetadata, output_rows: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers alone (a pipeline stage runs its own): -> (hidden, residual)."""
-        angles = self.rotary_emb(positions)
+        angles, scales = self.rotary_emb(positions), self.query_scales(positions)
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             rows = output_rows if index == last else None
-            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata, rows)
+            hidden, residual = layer(hidden, residual, angles, kv_cache, metadata, rows, scales)
         return hidden, residual
 
 

@@ -26,12 +26,13 @@ from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quanti
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
 from pagellm.model.torch_matmul import packed_weights_supported
+from pagellm.model.vision_language import is_vision_language, text_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.moe import MoeForCausalLM
 from pagellm.model.packaged import packaged_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
 from pagellm.mistral.formats import ModelFormats, is_mistral_folder
-from pagellm.mistral.params import read_params
+from pagellm.mistral.params import has_vision_encoder, read_params
 from pagellm.mistral.weights import consolidated_files, mistral_weights
 from pagellm.tokenizer import (eos_token_ids, find_chat_template, load_mistral_tokenizer,
                                load_tokenizer, tokenizer_source)
@@ -152,21 +153,25 @@ def load_folder_model(path: Path, formats: ModelFormats, dtype: torch.dtype,
                       ) -> tuple[ArchConfig, LlamaForCausalLM]:
     """A folder's config (config.json or params.json) and safetensors weights (HF's or
     Mistral's consolidated ones)."""
+    vision_language = False
     if formats.config_format == "mistral":
         arch = read_params(path)
     else:
         config = path / "config.json"
         with reading(config, "not a usable model config"):
-            arch = arch_from_hf_config(json.loads(config.read_text()))
+            hf_config = json.loads(config.read_text())
+            vision_language = is_vision_language(hf_config)
+            arch = arch_from_hf_config(hf_config)
     shard = shard_for(arch) if shard_for else WeightShard()
     net = shard.instantiate(arch, dtype, device)
     if formats.load_format == "mistral":
         files = consolidated_files(path)
         with reading(files[0] if len(files) == 1 else path, "the weights do not fit the model"):
-            net.load_weights(shard.dense(mistral_weights(path, arch)))
+            net.load_weights(shard.dense(mistral_weights(path, arch, has_vision_encoder(path))))
     else:
+        weights = safetensors_weights(path, shard.sliced)
         with reading(path, "the weights do not fit the model"):
-            net.load_weights(shard.dense(safetensors_weights(path, shard.sliced)))
+            net.load_weights(shard.dense(text_weights(weights) if vision_language else weights))
     pack_if_supported(net, dtype, device)
     return arch, net
 
