@@ -1,9 +1,10 @@
 """Do huge request bodies stall everyone else? `/health` latency and the inter-token latency
 of 16 streams, first alone, then while 4 clients send 20 MB chat bodies back to back.
 
-Two servers: the default `--max-request-body-bytes` (16 MiB: the bodies get a 413 while
-being read) and one that accepts them (they are parsed, tokenized in the tokenizer worker
-process, and refused as longer than the context).
+Two servers: the default `--max-request-body-bytes` (16 MiB: the bodies get a 413, read
+and dropped first while the client address's drain budget lasts, past it at once with the
+connection closed) and one that accepts them (they are parsed, tokenized in the tokenizer
+worker process, and refused as longer than the context).
 
     PYTHONPATH=$PWD python3 benchmarks/body_flood.py --seconds 45
 """
@@ -61,30 +62,37 @@ async def probe_health(client: httpx.AsyncClient, stop: float, latencies: list[f
 
 
 async def flood(client: httpx.AsyncClient, stop: float, body: bytes,
-                statuses: Counter) -> None:
+                answers: Counter) -> None:
+    """Counts the answers by status; "413 + close" is a 413 sent before the body was read
+    (the client's drain budget spent), "reset" a connection closed before any answer."""
     while time.perf_counter() < stop:
-        response = await client.post("/v1/chat/completions", content=body,
-                                     headers={"Content-Type": "application/json"})
-        statuses[response.status_code] += 1
+        try:
+            response = await client.post("/v1/chat/completions", content=body,
+                                         headers={"Content-Type": "application/json"})
+        except httpx.TransportError:
+            answers["reset"] += 1
+            continue
+        closed = response.headers.get("connection") == "close"
+        answers[f"{response.status_code}{' + close' if closed else ''}"] += 1
 
 
 async def measure(url: str, seconds: float, body: bytes | None) -> dict[str, object]:
     stop = time.perf_counter() + seconds
     gaps: list[float] = []
     health: list[float] = []
-    statuses: Counter = Counter()
+    answers: Counter = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=64)) as client:
         tasks = [stream_forever(client, stop, gaps) for _ in range(STREAMS)]
         tasks.append(probe_health(client, stop, health))
         if body is not None:
-            tasks += [flood(client, stop, body, statuses) for _ in range(FLOODERS)]
+            tasks += [flood(client, stop, body, answers) for _ in range(FLOODERS)]
         await asyncio.gather(*tasks)
     return {"health_p50_ms": percentile(health, 50) * 1e3,
             "health_p99_ms": percentile(health, 99) * 1e3,
             "health_max_ms": max(health) * 1e3, "itl_p50_ms": percentile(gaps, 50) * 1e3,
             "itl_p99_ms": percentile(gaps, 99) * 1e3, "tokens": len(gaps),
-            "flood_answers": dict(statuses)}
+            "flood_answers": dict(answers)}
 
 
 def main() -> None:

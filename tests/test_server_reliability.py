@@ -25,6 +25,7 @@ import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
+from pagellm.entrypoints.openai.drain_budget import DrainBudget
 from server_utils import RemoteServer, assert_clean_shutdown
 from test_server_errors import assert_error
 
@@ -119,6 +120,45 @@ def test_body_limit_is_413_while_reading(server: RemoteServer) -> None:
                          headers={**server.headers(), "Content-Type": "application/json"})
     assert_error(chunked, 413, "RequestTooLargeError")
     assert post(server, "/v1/completions", COMPLETION).status_code == 200
+
+
+def _head_only(server: RemoteServer, source: str,
+               length: int) -> tuple[socket.socket, http.client.HTTPResponse]:
+    """A request from `source` declaring a `length`-byte body, none of which is sent."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60,
+                                    source_address=(source, 0))
+    auth = "".join(f"{name}: {value}\r\n" for name, value in server.headers().items())
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: "
+                 f"application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return sock, response
+
+
+def test_oversized_bodies_past_the_address_budget_are_closed_unread(
+        server: RemoteServer) -> None:
+    """Each address (here 127.0.0.3 and .4, loopback too) has its oversized bodies read
+    to the end before the 413 while its drain budget lasts; past it, the 413 comes at once,
+    without the body, and the connection closes."""
+    budget = DrainBudget().burst_bytes
+
+    def client(source: str) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=60,
+                            headers={**server.headers(), "Content-Type": "application/json"})
+
+    with client("127.0.0.3") as flooder:
+        drained = flooder.post(f"{server.url}/v1/completions", content=b"x" * budget)
+        assert_error(drained, 413, "RequestTooLargeError", f"limit of {BODY_LIMIT} bytes")
+        assert drained.headers.get("connection") != "close"  # read to the end: kept open
+    sock, refused = _head_only(server, "127.0.0.3", budget)  # budget spent: not waited for
+    assert refused.status == 413 and refused.will_close
+    assert json.loads(refused.read())["error"]["type"] == "RequestTooLargeError"
+    assert sock.recv(1) == b""  # and the server closed the connection
+    sock.close()
+    with client("127.0.0.4") as other:
+        answer = other.post(f"{server.url}/v1/completions", content=b"x" * (BODY_LIMIT + 1))
+        assert_error(answer, 413, "RequestTooLargeError")
+        assert answer.headers.get("connection") != "close"
 
 
 def test_wrong_method_is_405_with_allow(server: RemoteServer) -> None:

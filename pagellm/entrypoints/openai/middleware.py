@@ -12,6 +12,7 @@ from http import HTTPStatus
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagellm.entrypoints.openai.drain_budget import DrainBuckets
 from pagellm.entrypoints.openai.errors import error_response
 
 # Probes and scrapers: no key, no admission limit, no body.
@@ -39,26 +40,27 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-# After a 413, this much more of the body is read and dropped so that the client, still
-# sending, sees the answer instead of a reset connection; beyond it, the connection closes.
-_DISCARD_BYTES = 64 << 20
-
-
 class BodyLimitMiddleware:
     """A 413 for a body over `max_bytes`, decided from Content-Length when there is one,
     else while the chunks arrive: the body is read (and buffered) here, then replayed to
-    the route, so an oversized one is never held in full nor parsed."""
+    the route, so an oversized one is never held in full nor parsed. Before the 413, the
+    rest of an oversized body is read and dropped while the client address's drain budget
+    covers it, so that the client, still sending, sees the answer; beyond the budget the
+    connection closes with the rest unread."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, buckets: DrainBuckets | None = None
+                 ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.buckets = DrainBuckets() if buckets is None else buckets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
-        too_large = declared.isdigit() and int(declared) > self.max_bytes
+        length = int(declared) if declared.isdigit() else None
+        too_large = length is not None and length > self.max_bytes
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -71,23 +73,47 @@ class BodyLimitMiddleware:
             more = message.get("more_body", False)
             too_large = size > self.max_bytes
         if too_large:
-            await self._too_large(scope, receive, send, more)
+            await self._too_large(scope, receive, send, more, length)
             return
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send, more: bool) -> None:
-        dropped = 0
-        while more and dropped < _DISCARD_BYTES:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            dropped += len(message.get("body", b""))
-            more = message.get("more_body", False)
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, more: bool,
+                         length: int | None) -> None:
+        """`more`: whether some of the body is unread."""
+        address = (scope.get("client") or ("",))[0]
+        if more and self._worth_draining(scope, address, length):
+            unread = await self._drain(address, receive)
+            if unread is None:
+                return  # the client left
+            more = unread
         response = error_response(f"Request body is larger than the server's limit of "
                                   f"{self.max_bytes} bytes (--max-request-body-bytes).",
                                   HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        response.headers["connection"] = "close"  # the rest of the body is never read
+        if more:
+            response.headers["connection"] = "close"  # the rest of the body is never read
         await response(scope, receive, send)
+
+    def _worth_draining(self, scope: Scope, address: str, length: int | None) -> bool:
+        """An undeclared body is drained while the budget lasts. A declared one (`length`,
+        none of it read) only if the budget covers all of it, a part being wasted on a
+        client that gets a reset anyway; and not if the client waits for `100 Continue`:
+        it has sent nothing and will read the 413."""
+        if length is None:
+            return True
+        waiting = Headers(scope=scope).get("expect", "").lower() == "100-continue"
+        return not waiting and length <= self.buckets.available(address)
+
+    async def _drain(self, address: str, receive: Receive) -> bool | None:
+        """Read and drop the body while `address`'s budget lasts: whether some is left
+        unread, None if the client left."""
+        more = True
+        while more and self.buckets.available(address) > 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            self.buckets.charge(address, len(message.get("body", b"")))
+            more = message.get("more_body", False)
+        return more
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
