@@ -122,12 +122,14 @@ def test_body_limit_is_413_while_reading(server: RemoteServer) -> None:
     assert post(server, "/v1/completions", COMPLETION).status_code == 200
 
 
-def _head_only(server: RemoteServer, source: str,
-               length: int) -> tuple[socket.socket, http.client.HTTPResponse]:
+def _head_only(server: RemoteServer, source: str, length: int,
+               headers: dict[str, str] | None = None
+               ) -> tuple[socket.socket, http.client.HTTPResponse]:
     """A request from `source` declaring a `length`-byte body, none of which is sent."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60,
                                     source_address=(source, 0))
-    auth = "".join(f"{name}: {value}\r\n" for name, value in server.headers().items())
+    headers = server.headers() if headers is None else headers
+    auth = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: "
                  f"application/json\r\nContent-Length: {length}\r\n\r\n".encode())
     response = http.client.HTTPResponse(sock)
@@ -159,6 +161,17 @@ def test_oversized_bodies_past_the_address_budget_are_closed_unread(
         answer = other.post(f"{server.url}/v1/completions", content=b"x" * (BODY_LIMIT + 1))
         assert_error(answer, 413, "RequestTooLargeError")
         assert answer.headers.get("connection") != "close"
+
+
+def test_a_refusal_before_the_body_closes_instead_of_reading_it(server: RemoteServer) -> None:
+    """A 401 (or 429, 503) is decided from the headers: the declared 64 MiB body, never sent,
+    is not waited for, and the connection closes rather than drain it."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        sock, refused = _head_only(server, "127.0.0.5", 64 << 20, headers)
+        assert refused.status == 401 and refused.will_close
+        assert json.loads(refused.read())["error"]["type"] == "AuthenticationError"
+        assert sock.recv(1) == b""
+        sock.close()
 
 
 def test_wrong_method_is_405_with_allow(server: RemoteServer) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.entrypoints.openai.drain_budget import DrainBuckets
@@ -35,9 +36,20 @@ class APIKeyMiddleware:
                     given.strip().encode(), self.expected):
                 response = error_response("Invalid or missing API key; send `Authorization: "
                                           "Bearer <key>`.", HTTPStatus.UNAUTHORIZED)
-                await response(scope, receive, send)
+                await close_if_a_body_follows(response, scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def close_if_a_body_follows(response: Response, scope: Scope) -> Response:
+    """An answer sent before the request's body is read closes the connection if a body is
+    on its way: kept open, the connection would have uvicorn read and drop all of that body
+    first, however large, so a flood of refused 20 MB bodies would cost what served ones do."""
+    headers = Headers(scope=scope)
+    if (headers.get("content-length", "0") not in ("", "0")
+            or "chunked" in headers.get("transfer-encoding", "").lower()):
+        response.headers["connection"] = "close"
+    return response
 
 
 class BodyLimitMiddleware:
@@ -167,4 +179,4 @@ class AdmissionMiddleware:
                 admission.in_flight -= 1
             return
         response.headers["retry-after"] = "1"
-        await response(scope, receive, send)
+        await close_if_a_body_follows(response, scope)(scope, receive, send)
