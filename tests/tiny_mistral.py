@@ -54,13 +54,7 @@ def build_tiny_hf_mistral(folder: Path, seed: int = 0, tied: bool = False) -> Pa
         initializer_range=0.2)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.2)
-    model.save_pretrained(folder)
-    write_small_tekken(folder / "tekken.json")
-    return folder
+    return save_with_tekken(model, folder)
 
 
 def write_native(hf_folder: Path, folder: Path) -> Path:
@@ -109,7 +103,12 @@ def build_tiny_hf_ministral3(folder: Path, seed: int = 0,
         rms_norm_eps=1e-5, rope_parameters=dict(rope or MINISTRAL3_ROPE),
         tie_word_embeddings=False, initializer_range=0.2)
     torch.manual_seed(seed)
-    model = transformers.Ministral3ForCausalLM(config).to(torch.float32)
+    return save_with_tekken(transformers.Ministral3ForCausalLM(config).to(torch.float32), folder)
+
+
+def save_with_tekken(model: torch.nn.Module, folder: Path) -> Path:
+    """The random model, its norms drawn around 1 (not left at 1), saved as an HF folder with
+    the small Tekken tokenizer."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
