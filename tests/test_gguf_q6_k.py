@@ -128,14 +128,16 @@ def test_mixed_group_sizes_fuse_in_groups_of_16() -> None:
     assert torch.equal(fused.dequantize()[48:], parts[2].dequantize())
 
 
-@pytest.fixture(scope="module")
-def q6_k_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny Llama 256 wide (K-quants' blocks are 256 weights) whose projections are all
-    Q6_K, its output head Q8_0: its folder and its GGUF."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-256"), "llama",
-                              hidden_size=256, intermediate_size=512)
-    return folder, write_tiny_gguf(folder, folder / "q6_k.gguf", Q6_K,
-                                   gguf.GGMLQuantizationType.Q8_0)
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def q6_k_model(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny model 256 wide (K-quants' blocks are 256 weights) whose projections are all
+    Q6_K: a Llama with a Q8_0 output head, or a Qwen2 whose tied embeddings are Q6_K too
+    (looked up as float rows, multiplied as codes). Its folder and its GGUF."""
+    folder = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}-256"),
+                              request.param, hidden_size=256, intermediate_size=512)
+    head = gguf.GGMLQuantizationType.Q8_0 if request.param == "llama" else Q6_K
+    return folder, write_tiny_gguf(folder, folder / "q6_k.gguf", Q6_K, head)
 
 
 def _last_logits(loaded: LoadedModel, prompts: list[list[int]]) -> torch.Tensor:
@@ -158,6 +160,8 @@ def test_q6_k_model_is_the_dequantized_model(q6_k_model: tuple[Path, Path]) -> N
               and m is not stored.model.lm_head]
     assert len(layers) == 4 * stored.arch.num_hidden_layers  # qkv, o, gate_up, down
     assert all(layer.weight.numel() == 0 and layer.quantized.group_size == 16 for layer in layers)
+    head = stored.model.lm_head.quantized
+    assert head.group_size == (16 if stored.arch.tie_word_embeddings else 32)
     expected = _last_logits(dense, PROMPTS)
     torch.testing.assert_close(_last_logits(stored, PROMPTS), expected, atol=1e-4, rtol=1e-4)
     ref, _ = transformers_gguf_model(path, stored.arch, AutoConfig.from_pretrained(folder))
