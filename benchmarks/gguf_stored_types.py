@@ -95,7 +95,8 @@ def main() -> None:
             out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model}, {args.dtype}, median decode step over {args.steps} steps")
-    print(f"{'/'.join(args.types):<12} {'weights MiB':>12} {'RSS load MiB':>13} {'RSS end MiB':>12}  "
+    print(f"{'/'.join(args.types):<12} {'weights MiB':>12} {'RSS load MiB':>13} "
+          f"{'RSS end MiB':>12}  "
           + "  ".join(f"{f'ms/step b={b}':>13}" for b in args.batch))
     for row in rows:
         print(f"{row['mode']:<12} {row['weights_mib']:>12.1f} {row['rss_after_load_mib']:>13.0f} "

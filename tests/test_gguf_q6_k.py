@@ -72,7 +72,8 @@ def _write_one(path: Path, blocks: np.ndarray, kind: gguf.GGMLQuantizationType) 
 
 @pytest.fixture(scope="module")
 def llama_arch(tiny_model_factory: Callable[[str], Path]) -> ArchConfig:
-    return arch_from_hf_config(json.loads((tiny_model_factory("llama") / "config.json").read_text()))
+    config = (tiny_model_factory("llama") / "config.json").read_text()
+    return arch_from_hf_config(json.loads(config))
 
 
 def test_q6_k_codes_are_gguf_py_dequantization_bit_for_bit(tmp_path: Path,

@@ -279,7 +279,8 @@ void run_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t
       std::fill(rows.begin() + block * k, rows.begin() + tiles * kTileRows * k, 0.f);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        widen_panel<kBits, kGroupSize>(codes, scales, zeros, k, n, n0, widened.data(), panel.data());
+        widen_panel<kBits, kGroupSize>(codes, scales, zeros, k, n, n0, widened.data(),
+                                       panel.data());
         for (int64_t i0 = 0; i0 < k; i0 += chunk) {
           for (int64_t t = 0; t < tiles; ++t) {
             tile_product(rows.data() + t * kTileRows * k + i0, k, panel.data() + i0 * kPanel,

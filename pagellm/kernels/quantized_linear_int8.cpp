@@ -193,8 +193,8 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile<Code, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0, std::min(groups, g0 + chunk),
-                      out.data() + t * kPanel);
+            int8_tile<Code, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
+                                        std::min(groups, g0 + chunk), out.data() + t * kPanel);
           }
         }
         for (int64_t r = 0; r < std::min(block, m - m0); ++r) {
