@@ -1,12 +1,14 @@
-"""Memory and decode speed of a GGUF whose Q5_0/Q5_1 matrices are kept as stored, against the
-same file with those matrices dequantized to float at load (what pagellm did before it read
-them; Gemma 3 270M Q4_K_M holds 81 Q5_0 tensors, most of its projections).
+"""Memory and decode speed of a GGUF whose matrices of `--types` (default Q5_0, Q5_1 and
+Q6_K) are kept as stored, against the same file with those matrices dequantized to float at
+load (what pagellm did before it read them; Gemma 3 270M Q4_K_M holds 81 Q5_0 tensors, most
+of its projections, and 9 Q6_K ones, ffn_down of 9 layers).
 
 Each configuration loads in its own process (its own resident memory, its own empty cache of
 prepared weights), as the engine loads a GGUF by default (batch-invariant, int8
 activations), then times decode steps of `--batch` requests over a 32-token prompt each.
 
-    python benchmarks/gguf_stored_types.py [--model gemma-3-270m] [--batch 1 8] [--steps 32]
+    python benchmarks/gguf_stored_types.py [--model gemma-3-270m] [--types Q6_K]
+                                           [--batch 1 8] [--steps 32]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from test_models import PagedCache  # noqa: E402
 from pagellm.model import gguf_weights  # noqa: E402
 from pagellm.model.loader import load_model  # noqa: E402
 
-_AS_FLOAT = (gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1)
+_DEFAULT_TYPES = ["Q5_0", "Q5_1", "Q6_K"]
 
 
 def resident_mib() -> float:
@@ -40,10 +42,11 @@ def resident_mib() -> float:
     return float("nan")
 
 
-def measure(model: str, mode: str, batches: list[int], steps: int, dtype: str) -> dict:
+def measure(model: str, mode: str, types: list[str], batches: list[int], steps: int,
+            dtype: str) -> dict:
     if mode == "dequantized":
-        for kind in _AS_FLOAT:
-            gguf_weights._GROUP_READERS.pop(kind)
+        for kind in types:
+            gguf_weights._GROUP_READERS.pop(gguf.GGMLQuantizationType[kind])
     loaded = load_model(model, getattr(torch, dtype), torch.device("cpu"),
                         gguf_quantized_max_tokens=None, gguf_int8_activations=True,
                         batch_invariant=True)
@@ -72,22 +75,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--types", nargs="+", default=_DEFAULT_TYPES,
+                        choices=["Q5_0", "Q5_1", "Q6_K", "Q8_K"],
+                        help="the types dequantized in the 'dequantized' row")
     parser.add_argument("--mode", choices=["stored", "dequantized"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:  # one configuration, in this process
-        print(json.dumps(measure(args.model, args.mode, args.batch, args.steps, args.dtype)))
+        print(json.dumps(measure(args.model, args.mode, args.types, args.batch, args.steps,
+                                 args.dtype)))
         return
     rows = []
     for mode in ("dequantized", "stored"):
         with tempfile.TemporaryDirectory() as cache:
             command = [sys.executable, __file__, "--mode", mode, "--model", args.model,
                        "--steps", str(args.steps), "--dtype", args.dtype,
+                       "--types", *args.types,
                        "--batch", *map(str, args.batch)]
             env = {**os.environ, "PAGELLM_CACHE_DIR": cache}
             out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model}, {args.dtype}, median decode step over {args.steps} steps")
-    print(f"{'Q5_0/Q5_1':<12} {'weights MiB':>12} {'RSS load MiB':>13} {'RSS end MiB':>12}  "
+    print(f"{'/'.join(args.types):<12} {'weights MiB':>12} {'RSS load MiB':>13} "
+          f"{'RSS end MiB':>12}  "
           + "  ".join(f"{f'ms/step b={b}':>13}" for b in args.batch))
     for row in rows:
         print(f"{row['mode']:<12} {row['weights_mib']:>12.1f} {row['rss_after_load_mib']:>13.0f} "

@@ -78,13 +78,14 @@ def _write_gguf(path: Path, arch: str, tensor: np.ndarray,
 
 
 def test_unreadable_tensor_type_is_one_line_naming_it(tmp_path: Path) -> None:
-    q8_k_block = np.zeros((64, 292), dtype=np.uint8)  # 256 weights a block: llama.cpp's Q8_K
-    path = _write_gguf(tmp_path / "q8k.gguf", "llama", q8_k_block, gguf.GGMLQuantizationType.Q8_K)
+    iq4_nl_block = np.zeros((64, 18), dtype=np.uint8)  # 32 weights a block: llama.cpp's IQ4_NL
+    path = _write_gguf(tmp_path / "iq4.gguf", "llama", iq4_nl_block,
+                       gguf.GGMLQuantizationType.IQ4_NL)
     with pytest.raises(ModelLoadError) as error:
         load_model(str(path), torch.float32, CPU)
     message = str(error.value)
     assert "\n" not in message and message.startswith(str(path))
-    assert "'blk.0.ffn_up.weight' has the GGUF type Q8_K" in message
+    assert "'blk.0.ffn_up.weight' has the GGUF type IQ4_NL" in message
 
 
 @pytest.mark.parametrize("arch", ["phi2", "qwen2moe"])  # qwen2moe: experts and a shared one

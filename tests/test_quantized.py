@@ -39,27 +39,31 @@ Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def random_weight(bits: int, rows: int, cols: int, with_zeros: bool) -> GroupQuantWeight:
+def random_weight(bits: int, rows: int, cols: int, with_zeros: bool,
+                  group_size: int = 32) -> GroupQuantWeight:
+    """Scales and zeros per `group_size` inputs: 16 is Q6_K's, with zeros a fused projection
+    of Q4_K and Q6_K shards."""
     generator = torch.Generator().manual_seed(bits * 1000 + rows)
     codes = (torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
              if bits == 4 else
              torch.randint(-128, 128, (rows, cols), generator=generator, dtype=torch.int8))
-    groups = (rows, cols // 32)
+    groups = (rows, cols // group_size)
     scales = torch.rand(groups, generator=generator) * 0.02 + 0.001
     zeros = torch.randn(groups, generator=generator) * 0.05 if with_zeros else None
     return GroupQuantWeight(codes, scales, zeros, bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False)],
-                         ids=["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("bits,with_zeros,group_size",
+                         [(4, True, 32), (4, False, 32), (8, False, 32), (8, False, 16),
+                          (8, True, 16)], ids=["Q4_1", "Q4_0", "Q8_0", "Q6_K", "Q4_K+Q6_K"])
 # Up to 11 tokens: passes over the weights, 4 rows each (full, partial and both). From 12:
 # panels of 16 features (here 12 full and a partial one), tiles of 6 rows (partial ones
 # included), inputs in chunks (160 + 128), and blocks of 192 rows (two for 200 tokens).
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9, 16, 23, 200])
-def test_kernel_matches_the_dequantized_matmul(bits: int, with_zeros: bool,
+def test_kernel_matches_the_dequantized_matmul(bits: int, with_zeros: bool, group_size: int,
                                                dtype: torch.dtype, tokens: int) -> None:
-    weight = random_weight(bits, 203, 288, with_zeros)
+    weight = random_weight(bits, 203, 288, with_zeros, group_size)
     layer = Linear(288, 203, bias=True)
     layer.weight.data = weight.dequantize()
     layer.bias.data = torch.randn(203)
@@ -109,15 +113,17 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
 
 @needs_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False), (8, True)],
-                         ids=["Q4_1", "Q4_0", "Q8_0", "Q5_K"])
+@pytest.mark.parametrize("bits,with_zeros,group_size",
+                         [(4, True, 32), (4, False, 32), (8, False, 32), (8, True, 32),
+                          (8, False, 16), (8, True, 16)],
+                         ids=["Q4_1", "Q4_0", "Q8_0", "Q5_K", "Q6_K", "Q4_K+Q6_K"])
 # From 12 tokens: tiles of 3 rows (13: a partial one), panels of 16 features (12 full and a
 # partial one), inputs in chunks (160 + 128), blocks of 192 rows (385: three). Below 12,
 # the float32 passes: no rounding.
 @pytest.mark.parametrize("tokens", [4, 12, 13, 200, 385])
 def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
-        bits: int, with_zeros: bool, dtype: torch.dtype, tokens: int) -> None:
-    weight = random_weight(bits, 203, 288, with_zeros)
+        bits: int, with_zeros: bool, group_size: int, dtype: torch.dtype, tokens: int) -> None:
+    weight = random_weight(bits, 203, 288, with_zeros, group_size)
     if bits == 8:  # the extremes: |-128| is vpmaddubsw's unsigned 128, 2 * 128 * 127 < 2^15
         weight.codes[:, :2], weight.codes[:, 2:4] = -128, 127
     layer = Linear(288, 203, bias=False).to(dtype)

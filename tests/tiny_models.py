@@ -124,10 +124,11 @@ def build_tiny_tokenizer(add_bos: bool) -> PreTrainedTokenizerFast:
                                    pad_token=BOS, chat_template=template)
 
 
-def build_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
-    """Write a tiny random `model_type` checkpoint with its tokenizer into `folder`."""
+def build_tiny_model(folder: Path, model_type: str, seed: int = 0, **sizes: Any) -> Path:
+    """Write a tiny random `model_type` checkpoint with its tokenizer into `folder`; `sizes`
+    override the config's (K-quants need matrices 256 inputs wide)."""
     config_class, overrides = _VARIANTS[model_type]
-    config = getattr(transformers, config_class)(**{**_SHARED, **overrides})
+    config = getattr(transformers, config_class)(**{**_SHARED, **overrides, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_norms_and_biases(model)
@@ -189,7 +190,7 @@ def write_tiny_gguf(folder: Path, path: Path,
         kind = (quantization if name.startswith("blk.") and matrix else
                 embedding_quantization if name in ("token_embd.weight", "output.weight") else None)
         if kind is not None:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            writer.add_tensor(name, _quantized(values, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, values)
     if rope.get("rope_type") == "llama3":
@@ -227,6 +228,41 @@ def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     for name, experts in stacked.items():
         out[name] = torch.stack([experts[e] for e in range(len(experts))])
     return out
+
+
+def _quantized(values: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """gguf-py's quantizer, or for Q6_K (which it lacks) quantize_q6_k."""
+    if kind == gguf.GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(values)
+    return gguf.quants.quantize(values, kind)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Rows of Q6_K blocks (210 bytes per 256 weights) for float rows: a simple round to
+    nearest, not llama.cpp's search; tests compare with gguf-py's dequantization of it."""
+    rows, cols = values.shape
+    groups = values.reshape(-1, 16, 16)  # [blocks, 16 groups of 16]
+    largest = np.abs(groups).max(-1)
+    d = (largest.max(-1) / (127 * 31)).astype(np.float16)
+    sc = np.round(largest / np.maximum(d.astype(np.float32)[:, None] * 31, 1e-30))
+    sc = np.clip(sc, -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None, None] * sc[..., None]
+    q = np.round(np.divide(groups, step, out=np.zeros_like(groups), where=step != 0))
+    return pack_q6_k((np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 256), sc, d,
+                     rows)
+
+
+def pack_q6_k(codes: np.ndarray, sc: np.ndarray, d: np.ndarray, rows: int) -> np.ndarray:
+    """Q6_K blocks from codes 0..63 [blocks, 256], int8 scales [blocks, 16] and fp16 d
+    [blocks]: per half of 128, 64 bytes of low nibbles (weights l and 64 + l in byte l),
+    then 32 bytes of high bit pairs (weight 32j + l in bits 2j of byte l), after both halves
+    the scales, then d."""
+    halves = codes.reshape(-1, 2, 128)
+    low = (halves[..., :64] & 15) | ((halves[..., 64:] & 15) << 4)
+    high = sum(((halves[..., 32 * j:32 * j + 32] >> 4) << (2 * j)) for j in range(4))
+    blocks = np.concatenate([low.reshape(-1, 128), high.astype(np.uint8).reshape(-1, 64),
+                             sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)], axis=1)
+    return blocks.reshape(rows, -1)
 
 
 def _gguf_tensors(folder: Path, config: dict[str, Any],

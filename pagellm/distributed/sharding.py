@@ -23,7 +23,7 @@ from pagellm.distributed.group import RankInfo
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import WeightShard, materialize
-from pagellm.model.quantized import GROUP_SIZE, GroupQuantWeight, Linear
+from pagellm.model.quantized import CODE_BLOCK, GroupQuantWeight, Linear
 
 VOCAB_PADDING = 64
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -174,8 +174,8 @@ class ShardLayout(WeightShard):
             if local is None or (name in _VOCAB and not self.info.is_last_stage):
                 continue  # only the output head multiplies the vocabulary's codes
             cut = self.cut(name)
-            if cut is not None and cut.dim == 1 and (cut.start % GROUP_SIZE
-                                                     or cut.stop % GROUP_SIZE):
+            if cut is not None and cut.dim == 1 and (cut.start % CODE_BLOCK
+                                                     or cut.stop % CODE_BLOCK):
                 continue
             yield local, weight if cut is None else cut_quantized(weight, cut)
 
@@ -197,7 +197,7 @@ def cut_quantized(weight: GroupQuantWeight, cut: Cut) -> GroupQuantWeight:
     if cut.dim == 0:
         return weight.map_rows(lambda rows: _pad_rows(rows[cut.start:cut.stop].contiguous(),
                                                       cut.rows))
-    first, last = cut.start // GROUP_SIZE, cut.stop // GROUP_SIZE
+    first, last = cut.start // weight.group_size, cut.stop // weight.group_size
     zeros = None if weight.zeros is None else weight.zeros[:, first:last].contiguous()
     return GroupQuantWeight(weight.codes[:, cut.start:cut.stop].contiguous(),
                             weight.scales[:, first:last].contiguous(), zeros, weight.bits)

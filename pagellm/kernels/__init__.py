@@ -162,7 +162,8 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor | None, bits: int, out_features: int,
                      panels_only: bool = False) -> torch.Tensor:
-    """x [M, K] @ W^T with W held as per-32-group codes (see quantized_linear.cpp) -> [M, N].
+    """x [M, K] @ W^T with W held as per-32- or per-16-group codes (see quantized_linear.cpp)
+    -> [M, N].
     `panels_only`: one order of sums at every M, so each row's result is batch-invariant."""
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)

@@ -1,6 +1,7 @@
 // Activation rows rounded to int8 per group of 32 inputs, for the int8 kernels
 // (quantized_linear_int8.cpp on AVX2, quantized_linear_amx.cpp on AMX tiles), each in its
-// own layout: a group's step d = max |x| / 127, and d times the sum of its rounded values.
+// own layout: a group's step d = max |x| / 127, and d times the sum of its rounded values
+// (and of each half's, for weights scaled per 16 inputs).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@ struct Int8Rows {
   std::vector<int8_t> values;  // the layout's
   std::vector<float> scales;   // d of each group, at the layout's index
   std::vector<float> sums;     // d times each group's sum of q, likewise
+  std::vector<float> half_sums;  // d times the sums of its first and last 16, at 2 * index + h
 };
 
 // Where a layout puts group g of row r: its 32 values, 4 at a time `stride` bytes apart from
@@ -44,8 +46,10 @@ inline int32_t horizontal_sum(__m256i v) {
 }
 
 // One group of 32 activations to int8 steps of d = max |x| / 127, rounded to nearest (even);
-// stores the 32 steps, 4 at a time `stride` bytes apart, and returns their sum.
-inline int32_t quantize_group(const float* x, float& d, int8_t* out, int64_t stride) {
+// stores the 32 steps, 4 at a time `stride` bytes apart, and returns their sum (and that of
+// the first 16 in `front_sum`).
+inline int32_t quantize_group(const float* x, float& d, int8_t* out, int64_t stride,
+                              int32_t& front_sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], largest = _mm256_setzero_ps();
   for (int q = 0; q < 4; ++q) {
@@ -57,8 +61,9 @@ inline int32_t quantize_group(const float* x, float& d, int8_t* out, int64_t str
   const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   __m256i steps[4];
   for (int q = 0; q < 4; ++q) steps[q] = _mm256_cvtps_epi32(_mm256_mul_ps(v[q], inverse));
-  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(steps[0], steps[1]),
-                                       _mm256_add_epi32(steps[2], steps[3]));
+  const __m256i front = _mm256_add_epi32(steps[0], steps[1]);
+  const __m256i sum = _mm256_add_epi32(front, _mm256_add_epi32(steps[2], steps[3]));
+  front_sum = horizontal_sum(front);
   // packs work within 128-bit lanes: the bytes come out as 0-3 8-11 4-7 12-15 (in 4s)
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(steps[0], steps[1]),
                                            _mm256_packs_epi32(steps[2], steps[3]));
@@ -74,7 +79,8 @@ template <typename T, typename Place>
 Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&& place) {
   const int64_t groups = k / kGroup;
   Int8Rows rows{std::vector<int8_t>(padded * k, 0), std::vector<float>(padded * groups, 0.f),
-                std::vector<float>(padded * groups, 0.f)};
+                std::vector<float>(padded * groups, 0.f),
+                std::vector<float>(2 * padded * groups, 0.f)};
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     float values[kGroup];
     for (int64_t g = begin; g < end; ++g) {
@@ -86,9 +92,13 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&&
         group = values;
       }
       const GroupPlace p = place(g / groups, g % groups);
+      int32_t front = 0;
       const int32_t sum = quantize_group(group, rows.scales[p.at], rows.values.data() + p.values,
-                                         p.stride);
-      rows.sums[p.at] = rows.scales[p.at] * static_cast<float>(sum);
+                                         p.stride, front);
+      const float d = rows.scales[p.at];
+      rows.sums[p.at] = d * static_cast<float>(sum);
+      rows.half_sums[2 * p.at] = d * static_cast<float>(front);
+      rows.half_sums[2 * p.at + 1] = d * static_cast<float>(sum - front);
     }
   });
   return rows;

@@ -1,5 +1,5 @@
-// y = x @ W^T with W kept as a GGUF file stores it: per group of 32 weights along the
-// input, w = (code - offset) * scale + zero. The codes are widened to float32 and
+// y = x @ W^T with W kept as a GGUF file stores it: per group of G = 32 weights along the
+// input (or 16: Q6_K's), w = (code - offset) * scale + zero. The codes are widened to float32 and
 // multiplied there, so the only rounding is float32's. Two paths:
 // - a few rows (a decode step of a few requests): bound by memory traffic, where 4-bit
 //   codes are an eighth of float32's bytes and 8-bit codes a quarter. Each pass over the
@@ -12,7 +12,8 @@
 // 4-bit codes: [N, K / 2] bytes, byte j of group g holding element 32g + j in its low
 // nibble and 32g + 16 + j in its high nibble (the GGUF order); offset 8.
 // 8-bit codes: [N, K] int8; offset 0.
-// scales, zeros: [N, K / 32] float32 (zeros may be empty: all zero).
+// scales, zeros: [N, K / G] float32 (zeros may be empty: all zero). The codes are
+// widened 32 at a time whatever G; a group of 16 scales half of them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
@@ -98,20 +100,26 @@ inline float horizontal_sum(f32x8 v) {
 
 // One output feature for kRows activation rows: the scaled codes' dot products, plus each
 // group's zero times that group's activation sum.
-template <int kBits, int kRows>
+template <int kBits, int kRows, int kGroupSize>
 void output_feature(const uint8_t* codes, const float* scales, const float* zeros,
                     const float* x, const float* x_sums, int64_t k, float* out) {
-  const int64_t groups = k / kGroup, code_bytes = kGroup * kBits / 8;
+  const int64_t blocks = k / kGroup, groups = k / kGroupSize, code_bytes = kGroup * kBits / 8;
   f32x8 acc[kRows] = {};
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t b = 0; b < blocks; ++b) {
     f32x8 w[4];
-    widen_group<kBits>(codes + g * code_bytes, w);
-    const f32x8 scale = f32x8{} + scales[g];
+    widen_group<kBits>(codes + b * code_bytes, w);
     for (int r = 0; r < kRows; ++r) {
-      const float* xg = x + r * k + g * kGroup;
-      const f32x8 dot = w[0] * load_f32x8(xg) + w[1] * load_f32x8(xg + 8) +
-                        w[2] * load_f32x8(xg + 16) + w[3] * load_f32x8(xg + 24);
-      acc[r] += scale * dot;
+      const float* xb = x + r * k + b * kGroup;
+      if constexpr (kGroupSize == kGroup) {
+        const f32x8 dot = w[0] * load_f32x8(xb) + w[1] * load_f32x8(xb + 8) +
+                          w[2] * load_f32x8(xb + 16) + w[3] * load_f32x8(xb + 24);
+        acc[r] += broadcast_f32x8(scales + b) * dot;
+      } else {
+        const f32x8 front = w[0] * load_f32x8(xb) + w[1] * load_f32x8(xb + 8);
+        const f32x8 back = w[2] * load_f32x8(xb + 16) + w[3] * load_f32x8(xb + 24);
+        acc[r] += broadcast_f32x8(scales + 2 * b) * front +
+                  broadcast_f32x8(scales + 2 * b + 1) * back;
+      }
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -123,28 +131,32 @@ void output_feature(const uint8_t* codes, const float* scales, const float* zero
   }
 }
 
-template <int kBits, int kRows>
+template <int kBits, int kRows, int kGroupSize>
 void output_features(const uint8_t* codes, const float* scales, const float* zeros,
                      const float* x, const float* x_sums, int64_t k, int64_t begin, int64_t end,
                      float* out) {
-  const int64_t groups = k / kGroup, row_bytes = k * kBits / 8;
+  const int64_t groups = k / kGroupSize, row_bytes = k * kBits / 8;
   float values[kRows];
   for (int64_t n = begin; n < end; ++n) {
-    output_feature<kBits, kRows>(codes + n * row_bytes, scales + n * groups,
+    output_feature<kBits, kRows, kGroupSize>(codes + n * row_bytes, scales + n * groups,
                                  zeros ? zeros + n * groups : nullptr, x, x_sums, k, values);
     for (int r = 0; r < kRows; ++r) out[r * (end - begin) + (n - begin)] = values[r];
   }
 }
 
-template <int kBits>
+template <int kBits, int kGroupSize>
 void output_features_rows(int rows, const uint8_t* codes, const float* scales, const float* zeros,
                           const float* x, const float* x_sums, int64_t k, int64_t begin,
                           int64_t end, float* out) {
+  auto run = [&](auto rows_tag) {
+    output_features<kBits, decltype(rows_tag)::value, kGroupSize>(codes, scales, zeros, x, x_sums,
+                                                                  k, begin, end, out);
+  };
   switch (rows) {
-    case 1: output_features<kBits, 1>(codes, scales, zeros, x, x_sums, k, begin, end, out); break;
-    case 2: output_features<kBits, 2>(codes, scales, zeros, x, x_sums, k, begin, end, out); break;
-    case 3: output_features<kBits, 3>(codes, scales, zeros, x, x_sums, k, begin, end, out); break;
-    default: output_features<kBits, 4>(codes, scales, zeros, x, x_sums, k, begin, end, out);
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    default: run(std::integral_constant<int, 4>{});
   }
 }
 
@@ -182,10 +194,11 @@ inline void transpose8(f32x8 v[8]) {
 // panel[i * kPanel + f] = weight[n0 + f][i] for the panel's features (0 past the last).
 // Eight features at a time are widened row by row into `rows` (sequential reads of each
 // feature's codes), then transposed eight inputs at a time into the panel.
-template <int kBits>
+template <int kBits, int kGroupSize>
 void widen_panel(const uint8_t* codes, const float* scales, const float* zeros, int64_t k,
                  int64_t n, int64_t n0, float* rows, float* panel) {
-  const int64_t groups = k / kGroup, row_bytes = k * kBits / 8, code_bytes = kGroup * kBits / 8;
+  const int64_t blocks = k / kGroup, groups = k / kGroupSize, row_bytes = k * kBits / 8,
+                code_bytes = kGroup * kBits / 8;
   for (int half = 0; half < kPanel; half += 8) {
     for (int f = 0; f < 8; ++f) {
       const int64_t row = n0 + half + f;
@@ -194,14 +207,14 @@ void widen_panel(const uint8_t* codes, const float* scales, const float* zeros, 
         std::fill(out, out + k, 0.f);
         continue;
       }
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t b = 0; b < blocks; ++b) {
         f32x8 w[4];
-        widen_group<kBits>(codes + row * row_bytes + g * code_bytes, w);
-        const f32x8 scale = f32x8{} + scales[row * groups + g];
-        const f32x8 zero = f32x8{} + (zeros ? zeros[row * groups + g] : 0.f);
+        widen_group<kBits>(codes + row * row_bytes + b * code_bytes, w);
         for (int q = 0; q < 4; ++q) {
-          const f32x8 weights = w[q] * scale + zero;
-          std::memcpy(out + g * kGroup + 8 * q, &weights, sizeof(weights));
+          const int64_t g = row * groups + (b * kGroup + 8 * q) / kGroupSize;
+          const f32x8 zero = f32x8{} + (zeros ? zeros[g] : 0.f);
+          const f32x8 weights = w[q] * (f32x8{} + scales[g]) + zero;
+          std::memcpy(out + b * kGroup + 8 * q, &weights, sizeof(weights));
         }
       }
     }
@@ -250,7 +263,7 @@ void tile_product(const float* x, int64_t ldx, const float* panel, int64_t lengt
   }
 }
 
-template <typename T, int kBits>
+template <typename T, int kBits, int kGroupSize>
 void run_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
                 const float* scales, const float* zeros) {
   const int64_t panels = (n + kPanel - 1) / kPanel, chunk = input_chunk(k);
@@ -266,7 +279,8 @@ void run_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t
       std::fill(rows.begin() + block * k, rows.begin() + tiles * kTileRows * k, 0.f);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        widen_panel<kBits>(codes, scales, zeros, k, n, n0, widened.data(), panel.data());
+        widen_panel<kBits, kGroupSize>(codes, scales, zeros, k, n, n0, widened.data(),
+                                       panel.data());
         for (int64_t i0 = 0; i0 < k; i0 += chunk) {
           for (int64_t t = 0; t < tiles; ++t) {
             tile_product(rows.data() + t * kTileRows * k + i0, k, panel.data() + i0 * kPanel,
@@ -281,15 +295,15 @@ void run_panels(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t
   });
 }
 
-template <typename T, int kBits>
+template <typename T, int kBits, int kGroupSize>
 void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k, int64_t n,
                 const uint8_t* codes, const float* scales, const float* zeros) {
-  const int64_t groups = k / kGroup;
+  const int64_t groups = k / kGroupSize;
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> part(kMaxRows * (end - begin));
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
-      output_features_rows<kBits>(rows, codes, scales, zeros, x + r0 * k,
+      output_features_rows<kBits, kGroupSize>(rows, codes, scales, zeros, x + r0 * k,
                                   x_sums + r0 * groups, k, begin, end, part.data());
       for (int r = 0; r < rows; ++r) {
         const float* values = part.data() + r * (end - begin);
@@ -302,18 +316,18 @@ void run_passes(T* y, const float* x, const float* x_sums, int64_t m, int64_t k,
 // `panels_only`: every step size multiplies in panels, whose sums per output do not depend
 // on the number of rows (the few-row passes sum in another order): a row's result is then
 // the same whatever else is in its step.
-template <typename T, int kBits>
+template <typename T, int kBits, int kGroupSize>
 void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
          const float* scales, const float* zeros, bool panels_only) {
   if (m >= kMinPanelRows || panels_only) {
-    run_panels<T, kBits>(y, x_in, m, k, n, codes, scales, zeros);
+    run_panels<T, kBits, kGroupSize>(y, x_in, m, k, n, codes, scales, zeros);
     return;
   }
   std::vector<float> x(m * k);
   for (int64_t i = 0; i < m * k; ++i) x[i] = load(x_in, i);
-  std::vector<float> x_sums(m * (k / kGroup), 0.f);
-  for (int64_t i = 0; i < m * k; ++i) x_sums[i / kGroup] += x[i];
-  run_passes<T, kBits>(y, x.data(), x_sums.data(), m, k, n, codes, scales, zeros);
+  std::vector<float> x_sums(m * (k / kGroupSize), 0.f);
+  for (int64_t i = 0; i < m * k; ++i) x_sums[i / kGroupSize] += x[i];
+  run_passes<T, kBits, kGroupSize>(y, x.data(), x_sums.data(), m, k, n, codes, scales, zeros);
 }
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8.
@@ -331,14 +345,16 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
   const bool zeros_fit = zeros.numel() == 0 || (zeros.scalar_type() == at::kFloat &&
                                                  zeros.is_contiguous() &&
                                                  zeros.numel() == scales.numel());
+  const int64_t group = scales.numel() == n * (k / kGroup) ? kGroup : kHalfGroup;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == n * (k / kGroup) && zeros_fit,
-              "quantized_linear: scales (and zeros) must be float32 [N, K / 32]");
+                  scales.numel() == n * (k / group) && zeros_fit,
+              "quantized_linear: scales (and zeros) must be float32 [N, K / 32] or [N, K / 16]");
   const auto* code_ptr = static_cast<const uint8_t*>(codes.const_data_ptr());
   const float* zero_ptr = zeros.numel() ? zeros.const_data_ptr<float>() : nullptr;
   pagellm::dispatch_dtype(x, "quantized_linear", [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = bits == 4 ? run<T, 4> : run<T, 8>;
+    auto kernel = group == kGroup ? (bits == 4 ? run<T, 4, kGroup> : run<T, 8, kGroup>)
+                                  : (bits == 4 ? run<T, 4, kHalfGroup> : run<T, 8, kHalfGroup>);
     kernel(y.mutable_data_ptr<T>(), x.const_data_ptr<T>(), m, k, n, code_ptr,
            scales.const_data_ptr<float>(), zero_ptr, panels_only);
   });

@@ -9,6 +9,7 @@
 namespace pagellm::quantized {
 
 constexpr int64_t kGroup = 32;        // weights sharing one scale and zero along the input
+constexpr int64_t kHalfGroup = 16;    // or half as many (Q6_K's scales)
 constexpr int kPanel = 16;            // output features per panel: two vectors
 constexpr int64_t kBlockRows = 192;   // rows multiplied with a panel per pass over it
 

@@ -25,7 +25,9 @@
 //
 // panels: [P, K / 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit codes), panels[p, g, j,
 // f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); scales, zeros: [P,
-// K / 32, 16] float32, a group's scale and zero - offset * scale (0 past N).
+// K / G, 16] float32, a group's scale and zero - offset * scale (0 past N), per group of
+// G = 32 inputs, or 16 (Q6_K): each half of the 32 then sums and scales on its own, with its
+// half of the activations' sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -88,15 +90,15 @@ inline __m256i broadcast4(const int8_t* p) {
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // One group of a tile: sums[r][h] = the int32 sums of row r's products with features
-// 8h..8h+7, over the group's 32 inputs.
-template <typename Code>
+// 8h..8h+7, over inputs 4 * kFirst .. 4 * kLast of the 32 in `codes` and `inputs`.
+template <typename Code, int kFirst, int kLast>
 __attribute__((always_inline)) inline void group_sums(const Code* codes, const int8_t* inputs,
                                                       __m256i (&sums)[kInt8TileRows][2]) {
   constexpr int R = kInt8TileRows;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
+  for (int j = kFirst; j < kLast; ++j) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
     if constexpr (std::is_same_v<Code, uint8_t>) {  // int16 sums, widened once per group
@@ -130,9 +132,9 @@ __attribute__((always_inline)) inline void group_sums(const Code* codes, const i
   }
 }
 
-// out[r * 16 + f] += sum over groups [g0, g1) for the rows of tile `tile` and the panel's
-// 16 features. Inlined: a call per tile and chunk cost about 5%.
-template <typename Code>
+// out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
+// panel's 16 features. Inlined: a call per tile and chunk cost about 5%.
+template <typename Code, int kGroupSize>
 __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
                                                      int64_t k, const Int8Panel<Code>& panel,
                                                      int64_t g0, int64_t g1, float* out) {
@@ -141,23 +143,39 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   const int8_t* x = rows.values.data() + tile * k * R;
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
+  const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
   for (int64_t g = g0; g < g1; ++g) {
     __m256i sums[R][2];
-    group_sums<Code>(panel.codes + g * 8 * 64, x + g * kGroup * R, sums);
-    const float* scales = panel.scales + g * kPanel;
-    const float* zeros = panel.zeros + g * kPanel;
+    const Code* codes = panel.codes + g * 8 * 64;
+    const int8_t* inputs = x + g * kGroup * R;
+    if constexpr (kGroupSize == kGroup) {
+      group_sums<Code, 0, 8>(codes, inputs, sums);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      add_group(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r], scales, zeros,
-                out + r * kPanel);
+      for (int r = 0; r < R; ++r) {
+        add_group(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
+                  panel.scales + g * kPanel, panel.zeros + g * kPanel, out + r * kPanel);
+      }
+    } else {
+      auto add_half = [&](int h) {
+        const int64_t half = 2 * g + h;
+        for (int r = 0; r < R; ++r) {
+          add_group(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
+                    panel.scales + half * kPanel, panel.zeros + half * kPanel, out + r * kPanel);
+        }
+      };
+      group_sums<Code, 0, 4>(codes, inputs, sums);
+      add_half(0);
+      group_sums<Code, 4, 8>(codes, inputs, sums);
+      add_half(1);
     }
   }
 }
 
-template <typename T, typename Code>
+template <int kGroupSize, typename T, typename Code>
 void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
          const float* panel_scales, const float* panel_zeros) {
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
+  const int64_t scale_groups = k / kGroupSize;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
   const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
@@ -170,13 +188,13 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
         const Int8Panel<Code> panel{panel_codes + p * kPanel * k,
-                                    panel_scales + p * groups * kPanel,
-                                    panel_zeros + p * groups * kPanel};
+                                    panel_scales + p * scale_groups * kPanel,
+                                    panel_zeros + p * scale_groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile(rows, (m0 + t) / kInt8TileRows, k, panel, g0, std::min(groups, g0 + chunk),
-                      out.data() + t * kPanel);
+            int8_tile<Code, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
+                                        std::min(groups, g0 + chunk), out.data() + t * kPanel);
           }
         }
         for (int64_t r = 0; r < std::min(block, m - m0); ++r) {
@@ -202,14 +220,20 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                   panels.numel() == count * kPanel * k,
               "quantized_linear_int8: panels must be uint8 (4-bit codes) or int8 (8-bit codes) "
               "[ceil(N / 16), K / 32, 8, 16, 4]");
+  const int64_t group = scales.numel() == count * (k / kGroup) * kPanel ? kGroup : kHalfGroup;
   for (const at::Tensor* t : {&scales, &zeros}) {
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
-                    t->numel() == count * (k / kGroup) * kPanel,
+                    t->numel() == count * (k / group) * kPanel,
                 "quantized_linear_int8: scales and zeros must be float32 "
-                "[ceil(N / 16), K / 32, 16]");
+                "[ceil(N / 16), K / 32 or K / 16, 16]");
+  }
+  if (group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
+    dispatch_int8_panels(y, x, panels, scales, zeros,
+                         [](auto... args) { run<kHalfGroup>(args...); });
+    return;
   }
   if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
-  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run(args...); });
+  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run<kGroup>(args...); });
 }
 
 }  // namespace

@@ -103,7 +103,10 @@ def hf_name(gguf_name: str, model_type: str | None = None) -> str:
 
 
 def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """GGUF lists dimensions fastest-first, so the torch shape is the reverse."""
+    """GGUF lists dimensions fastest-first, so the torch shape is the reverse. gguf-py has
+    no dequantizer for Q8_K: its codes times its scales are the weight."""
+    if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_K:
+        return _q8_k_groups(tensor).dequantize()
     values = dequantize(tensor.data, tensor.tensor_type)
     values = values.reshape([int(d) for d in reversed(tensor.shape)])
     if not values.flags.writeable:  # an unquantized tensor is a view of the read-only file map
@@ -120,15 +123,17 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_quantized_weights(reader: gguf.GGUFReader,
                            arch: ArchConfig) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 matrices as codes with per-32-column
-    scales, under HF names (Q6_K's scales are per 16 columns: it is dequantized to float).
+    """The Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 / Q8_K matrices as codes
+    with per-group scales, under HF names.
 
-    Each format is exactly `(code - offset) * scale + zero` per group of 32 weights:
-    Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes), and
+    Each format is exactly `(code - offset) * scale + zero` per group of 32 weights (16 for
+    Q6_K): Q4_0 stores `d * (code - 8)`, Q4_1 `d * code + m`, Q8_0 `d * code` (signed codes),
     Q4_K and Q5_K `d * sc * code - dmin * mn`, with 6-bit sc and mn per group of 32 and fp16
-    d and dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer). Q5_K's
-    5-bit codes are kept as 8-bit ones. Stacked experts (`ffn_*_exps`) are read as one
-    matrix of all their rows, then cut into one per expert.
+    d and dmin per 256 (exact in float32: an 11-bit mantissa times a 6-bit integer), Q6_K
+    `d * sc * (code - 32)` with int8 sc per 16 and fp16 d per 256 (11 + 7 + 5 bits, exact
+    too), Q8_K `d * code` with float32 d per 256. Q5_K's 5-bit and Q6_K's 6-bit codes are
+    kept as 8-bit ones (Q6_K's signed, code - 32). Stacked experts (`ffn_*_exps`) are read
+    as one matrix of all their rows, then cut into one per expert.
     """
     for tensor in reader.tensors:
         if tensor.tensor_type not in _GROUP_READERS or tensor.name in _CONFIG_TENSORS:
@@ -251,19 +256,47 @@ def _q5_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
                             zeros=torch.from_numpy(-minimum.reshape(rows, cols // 32)), bits=8)
 
 
+def _q6_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales
+    (one per 16 weights), fp16 d. Weights 0-127 and 128-255 are two halves alike: in each,
+    byte l of its 64 low bytes holds weight l (l < 32) or 32 + l in its low nibble and 64 + l
+    or 96 + l in its high one; byte l of its 32 high bytes, bits 2j..2j+1, weight 32j + l."""
+    blocks, rows, cols = _blocks(tensor, 0, 210)
+    low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    codes = (low & 0x0F).reshape(-1, 8, 32) | ((high & 3).reshape(-1, 8, 32) << 4)
+    codes = (codes.astype(np.int16) - 32).astype(np.int8)
+    scales = _fp16(blocks, 208) * blocks[:, 192:208].copy().view(np.int8)
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scales.reshape(rows, cols // 16)),
+                            zeros=None, bits=8)
+
+
+def _q8_k_groups(tensor: gguf.ReaderTensor) -> GroupQuantWeight:
+    """Blocks of 256 weights: float32 d, 256 signed bytes, then 16 int16 sums of 16 codes
+    each (for llama.cpp's dot products; not needed here)."""
+    blocks, rows, cols = _blocks(tensor, 4, 288)
+    scale = np.repeat(blocks[:, :4].copy().view(np.float32), 8, axis=1)
+    codes = blocks[:, 4:260].copy().view(np.int8)
+    return GroupQuantWeight(codes=torch.from_numpy(codes.reshape(rows, cols)),
+                            scales=torch.from_numpy(scale.reshape(rows, cols // 32)),
+                            zeros=None, bits=8)
+
+
 _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_1: _q4_groups,
                   gguf.GGMLQuantizationType.Q4_K: _q4_k_groups,
                   gguf.GGMLQuantizationType.Q5_K: _q5_k_groups,
                   gguf.GGMLQuantizationType.Q5_0: _q5_groups,
                   gguf.GGMLQuantizationType.Q5_1: _q5_groups,
-                  gguf.GGMLQuantizationType.Q8_0: _q8_groups}
+                  gguf.GGMLQuantizationType.Q6_K: _q6_k_groups,
+                  gguf.GGMLQuantizationType.Q8_0: _q8_groups,
+                  gguf.GGMLQuantizationType.Q8_K: _q8_k_groups}
 
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
 # Read through gguf-py's reference dequantizer into float weights at load time.
-_DEQUANTIZED_TYPES = (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
-                      gguf.GGMLQuantizationType.Q6_K)
+_DEQUANTIZED_TYPES = (gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K)
 READABLE_TYPES = (*_FLOAT_TYPES, *_GROUP_READERS, *_DEQUANTIZED_TYPES)
 
 

@@ -46,7 +46,7 @@ from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quant
                              quantized_linear_bf16_tiles, quantized_linear_int8)
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight, packed_linear
 
-GROUP_SIZE = 32  # weights sharing one scale and zero along the input dimension
+CODE_BLOCK = 32  # inputs the kernels widen and lay out together: one scale or two
 PANEL_SIZE = 16  # output rows per panel of the int8 kernel
 INT8_MIN_TOKENS = 12  # from here the kernels work in panels, where int8 pays
 # Up to here torch's int4 kernel beats the bf16 tiles on 4-bit codes (SmolLM2's shapes, from
@@ -59,17 +59,32 @@ ANY_TOKENS = sys.maxsize
 
 @dataclasses.dataclass
 class GroupQuantWeight:
-    """weight[o, i] = (codes[o, i] - offset) * scales[o, i // 32] + zeros[o, i // 32],
-    with offset 8 for 4-bit codes (uint8 0..15) and 0 for 8-bit ones (int8)."""
+    """weight[o, i] = (codes[o, i] - offset) * scales[o, i // G] + zeros[o, i // G],
+    with offset 8 for 4-bit codes (uint8 0..15) and 0 for 8-bit ones (int8), and the group
+    size G 32, or 16 for 8-bit codes (Q6_K's scales are per 16 weights)."""
 
     codes: torch.Tensor  # [out, in]
-    scales: torch.Tensor  # [out, in // GROUP_SIZE] float32
-    zeros: torch.Tensor | None  # like scales; None where every zero is 0 (Q4_0, Q8_0)
+    scales: torch.Tensor  # [out, in // G] float32
+    zeros: torch.Tensor | None  # like scales; None where every zero is 0 (Q4_0, Q8_0, Q6_K)
     bits: int
 
     @property
     def offset(self) -> int:
         return 8 if self.bits == 4 else 0
+
+    @property
+    def group_size(self) -> int:
+        """4-bit codes (which kernel_codes packs two per byte) are always in groups of 32."""
+        return CODE_BLOCK if self.bits == 4 else self.codes.shape[1] // self.scales.shape[1]
+
+    def in_groups_of(self, size: int) -> GroupQuantWeight:
+        """The same weights with each scale and zero repeated over groups of `size`."""
+        if size == self.group_size:
+            return self
+        weight = self.as_8_bit()
+        repeat = lambda t: t.repeat_interleave(self.group_size // size, dim=1)  # noqa: E731
+        zeros = None if weight.zeros is None else repeat(weight.zeros)
+        return GroupQuantWeight(weight.codes, repeat(weight.scales), zeros, 8)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> GroupQuantWeight:
         """Apply the same reordering of output rows to codes, scales and zeros."""
@@ -91,7 +106,10 @@ class GroupQuantWeight:
     @staticmethod
     def cat(parts: Sequence[GroupQuantWeight]) -> GroupQuantWeight:
         """Stack along the output rows, as fused projections do; parts of mixed widths (a
-        K-quant file's Q4_K and Q5_K shards of one projection) as 8-bit codes."""
+        K-quant file's Q4_K and Q5_K shards of one projection) as 8-bit codes, and of mixed
+        group sizes (Q4_K's q and k with Q6_K's v) in the smallest groups."""
+        smallest = min(p.group_size for p in parts)
+        parts = [p.in_groups_of(smallest) for p in parts]
         if len({p.bits for p in parts}) != 1:
             parts = [p.as_8_bit() for p in parts]
         zeros = None
@@ -103,7 +121,7 @@ class GroupQuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these codes stand for."""
-        expand = lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)  # noqa: E731
+        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
         weight = (self.codes.float() - self.offset) * expand(self.scales)
         return weight if self.zeros is None else weight + expand(self.zeros)
 
@@ -118,26 +136,26 @@ class GroupQuantWeight:
         if self.bits == 8:
             return self.codes.contiguous()
         rows, cols = self.codes.shape
-        halves = self.codes.reshape(rows, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
+        halves = self.codes.reshape(rows, cols // CODE_BLOCK, 2, CODE_BLOCK // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
     def int8_panels(self) -> Int8Panels:
         """The codes as the int8 kernel reads them (see Int8Panels)."""
         codes = _by_panel(self.codes)  # [P, 16, in]
-        codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 4, 4)
+        codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
         return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(), *self._panel_factors())
 
     def bf16_tiles(self) -> Bf16Tiles:
         """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
         codes = _by_panel(self.codes)  # [P, 16, in]
-        codes = codes.reshape(*codes.shape[:2], -1, GROUP_SIZE // 2, 2).permute(0, 2, 3, 1, 4)
+        codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
         codes = codes.reshape(*codes.shape[:3], 2 * PANEL_SIZE)
         if self.bits == 4:
             codes = codes[..., :PANEL_SIZE] | (codes[..., PANEL_SIZE:] << 4)
         return Bf16Tiles(codes.contiguous(), *self._panel_factors())
 
     def _panel_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and folded zeros by panel: [P, in // 32, 16] each."""
+        """Scales and folded zeros by panel: [P, in // G, 16] each."""
         return (_by_panel(self.scales).transpose(1, 2).contiguous(),
                 _by_panel(self.folded_zeros()).transpose(1, 2).contiguous())
 
@@ -163,11 +181,11 @@ class Int8Panels:
     """A matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
     codes[p, g, j, f, b] = code of row 16p + f for input 32g + 4j + b; per group, each
     row's scale and zero - offset * scale, so that w = code * scale + (zero - offset *
-    scale)."""
+    scale), per group of G = 32 or 16 inputs (the weight's group size)."""
 
     codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit)
-    scales: torch.Tensor  # [P, in // 32, 16] float32
-    zeros: torch.Tensor  # [P, in // 32, 16] float32
+    scales: torch.Tensor  # [P, in // G, 16] float32
+    zeros: torch.Tensor  # [P, in // G, 16] float32
 
 
 @dataclasses.dataclass
@@ -216,7 +234,9 @@ class Linear(nn.Linear):
         self._check_shape(weight)
         self.quantized = weight.in_kernel_layout()
         self.quantized_max_tokens = max_tokens
-        use_tiles = bf16_tiles and self.weight.dtype == torch.bfloat16
+        # the tile kernel scales whole groups of 32 (groups of 16 take the other forms)
+        use_tiles = (bf16_tiles and self.weight.dtype == torch.bfloat16
+                     and weight.group_size == CODE_BLOCK)
         self.bf16_tiles = weight.bf16_tiles() if use_tiles else None
         use_int8 = int8_activations and int8_matmul_available() and not use_tiles
         self.int8_panels = weight.int8_panels() if use_int8 else None

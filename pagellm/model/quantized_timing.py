@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagellm.kernels import evict_from_cache
-from pagellm.model.quantized import (ANY_TOKENS, INT8_MIN_TOKENS, Linear, QuantizedForm,
-                                     form_tensors)
+from pagellm.model.quantized import (ANY_TOKENS, CODE_BLOCK, INT8_MIN_TOKENS, Linear,
+                                     QuantizedForm, form_tensors)
 from pagellm.model.torch_matmul import packed_weights_supported
 
 # Up to the default budget of a prefill step: the bf16 tiles beat oneDNN up to a few hundred
@@ -39,7 +39,7 @@ def int8_beats_dense(layers: Sequence[Linear], dtype: torch.dtype) -> list[Linea
     by reading the weights, of which the codes are 4-8x fewer bytes."""
     winners = []
     with_panels = [layer for layer in layers if layer.int8_panels is not None]
-    for (in_features, out_features, _), group in _by_shape(with_panels).items():
+    for (in_features, out_features, *_), group in _by_shape(with_panels).items():
         x = torch.randn(PROBE_TOKENS, in_features).to(dtype)
         dense = Linear(in_features, out_features, bias=False).to(dtype)
         if packed_weights_supported(dtype, x.device):
@@ -60,7 +60,7 @@ def choose_torch_int4(layers: Sequence[Linear]) -> list[str]:
     shapes that kept it, with their sizes."""
     kept = []
     with_int4 = [layer for layer in layers if layer.torch_int4 is not None]
-    for (in_features, out_features, _), group in _by_shape(with_int4).items():
+    for (in_features, out_features, *_), group in _by_shape(with_int4).items():
         most = group[0].torch_int4_max_tokens
         timed = group[:MEASURED_LAYER_TOKENS // most]
         ours = [layer.bf16_tiles or layer.quantized for layer in timed]
@@ -90,12 +90,14 @@ def _forms_seconds(layers: Sequence[Linear], forms: Sequence[QuantizedForm | Non
                         [t for form in present for t in form_tensors(form)])
 
 
-def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int], list[Linear]]:
-    """Quantized layers by (in features, out features, code bits)."""
-    shapes: dict[tuple[int, int, int], list[Linear]] = defaultdict(list)
+def _by_shape(layers: Sequence[Linear]) -> dict[tuple[int, int, int, int], list[Linear]]:
+    """Quantized layers by (in features, out features, code bits, group size): groups of 16
+    (Q6_K) cost the kernels a second scale per 32 inputs."""
+    shapes: dict[tuple[int, int, int, int], list[Linear]] = defaultdict(list)
     for layer in layers:
-        assert layer.quantized is not None
-        shapes[(layer.in_features, layer.out_features, layer.quantized.bits)].append(layer)
+        q = layer.quantized
+        assert q is not None
+        shapes[(layer.in_features, layer.out_features, q.bits, q.group_size)].append(layer)
     return shapes
 
 
@@ -107,7 +109,7 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
     from memory.
     Every candidate is timed (see `max_tokens_from_wins`). Returns the sizes by shape."""
     chosen = {}
-    for (in_features, out_features, bits), group in _by_shape(layers).items():
+    for (in_features, out_features, bits, group_size), group in _by_shape(layers).items():
         wins = []
         for tokens in CANDIDATE_MAX_TOKENS:
             x = torch.randn(tokens, in_features).to(dtype)
@@ -120,7 +122,8 @@ def measure_max_tokens(layers: Sequence[Linear], dtype: torch.dtype) -> dict[str
         best = max_tokens_from_wins(wins)
         for layer in group:
             layer.quantized_max_tokens = best
-        chosen[f"{in_features}x{out_features} Q{bits}"] = best
+        per = "" if group_size == CODE_BLOCK else f"/{group_size}"
+        chosen[f"{in_features}x{out_features} Q{bits}{per}"] = best
     return chosen
 
 
