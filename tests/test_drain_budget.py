@@ -12,7 +12,8 @@ from starlette.types import Message, Scope
 from pagellm.entrypoints.openai.drain_budget import DrainBudget, DrainBuckets
 from pagellm.entrypoints.openai.middleware import BodyLimitMiddleware
 
-BUDGET = DrainBudget(burst_bytes=1000, refill_seconds=10.0, max_addresses=3)
+BUDGET = DrainBudget(burst_bytes=1000, refill_seconds=10.0, max_addresses=3,
+                     max_answer_delay_seconds=5.0)
 LIMIT = 100  # the middleware's max_bytes
 
 
@@ -100,9 +101,21 @@ def clock() -> Clock:
     return Clock()
 
 
+class Sleeps(list):
+    """Records the delays the middleware asks for, without waiting."""
+
+    async def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
 @pytest.fixture
-def middleware(clock: Clock) -> BodyLimitMiddleware:
-    return BodyLimitMiddleware(_never_called, LIMIT, DrainBuckets(BUDGET, clock))
+def sleeps() -> Sleeps:
+    return Sleeps()
+
+
+@pytest.fixture
+def middleware(clock: Clock, sleeps: Sleeps) -> BodyLimitMiddleware:
+    return BodyLimitMiddleware(_never_called, LIMIT, DrainBuckets(BUDGET, clock), sleeps)
 
 
 def test_declared_bodies_are_drained_while_the_budget_covers_them(
@@ -146,3 +159,16 @@ def test_a_body_within_the_limit_reaches_the_route(clock: Clock) -> None:
 
     post(BodyLimitMiddleware(route, LIMIT, DrainBuckets(BUDGET, clock)), Upload(LIMIT, piece=30))
     assert received == [{"type": "http.request", "body": b"x" * LIMIT, "more_body": False}]
+
+
+def test_a_body_refused_unread_is_answered_once_the_budget_would_cover_it(
+        middleware: BodyLimitMiddleware, clock: Clock, sleeps: Sleeps) -> None:
+    """100 bytes of budget a second; the answer waits for what the body lacks, at most 5 s."""
+    post(middleware, Upload(800))  # drained: no wait, 200 left
+    post(middleware, Upload(500))  # 300 missing
+    post(middleware, Upload(5000))  # over any budget: the whole burst (800 missing), capped
+    post(middleware, Upload(900, declared=False))  # the 200 left drained, the rest unknown
+    assert post(middleware, Upload(400, expect=True)).read == 0  # waits for Continue: at once
+    assert sleeps == [3.0, 5.0, 5.0]
+    clock.now = 10.0
+    assert post(middleware, Upload(900)).read == 900 and sleeps == [3.0, 5.0, 5.0]

@@ -6,8 +6,10 @@ kernel may throw the answer away unread; reading the rest of the body first (ngi
 lingering close) lets it see the 413. But each drained byte crosses the cores that run the
 model: a few clients posting 20 MB bodies back to back cost gigabytes a minute. A token
 bucket per address keeps the courtesy for a client's occasional oversized body and
-refuses it to a flood: past its budget, the 413 goes out at once and the connection closes
-with the body unread.
+refuses it to a flood: past its budget, the connection closes with the body unread, after
+a short wait (the time the budget needs to cover the body, at most a couple of seconds)
+during which nothing of it is read: a flooder that reconnects at once would otherwise cost
+the server a connection and a 413 many times a second, and its own CPU a body's copy each.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from dataclasses import dataclass
 class DrainBudget:
     """Each address may have `burst_bytes` drained at once (so also the most of any one
     body), refilled at `burst_bytes` per `refill_seconds`; at most `max_addresses` are
-    tracked at a time."""
+    tracked at a time. A body refused unread is answered after the time the budget needs to
+    cover it, at most `max_answer_delay_seconds`."""
 
     burst_bytes: int = 64 << 20
     refill_seconds: float = 10.0
     max_addresses: int = 4096
+    max_answer_delay_seconds: float = 2.0
 
 
 @dataclass
@@ -54,6 +58,15 @@ class DrainBuckets:
         now = self._expire()
         bucket = self._buckets.get(address)
         return self.budget.burst_bytes if bucket is None else int(self._refilled(bucket, now))
+
+    def answer_delay(self, address: str, nbytes: int | None) -> float:
+        """Seconds to hold the answer to a body of `nbytes` (None: unknown, taken as the
+        whole burst) refused unread: until the budget would cover it, within the cap."""
+        wanted = min(self.budget.burst_bytes if nbytes is None else nbytes,
+                     self.budget.burst_bytes)
+        rate = self.budget.burst_bytes / self.budget.refill_seconds
+        missing = max(0, wanted - self.available(address))
+        return min(self.budget.max_answer_delay_seconds, missing / rate)
 
     def charge(self, address: str, nbytes: int) -> None:
         """Take `nbytes` read and dropped from `address`'s budget (it stops at zero)."""

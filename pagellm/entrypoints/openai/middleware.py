@@ -5,7 +5,9 @@ Each answers in OpenAI's error shape and never reads more of a request than it m
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -60,11 +62,12 @@ class BodyLimitMiddleware:
     covers it, so that the client, still sending, sees the answer; beyond the budget the
     connection closes with the rest unread."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, buckets: DrainBuckets | None = None
-                 ) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, buckets: DrainBuckets | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.buckets = DrainBuckets() if buckets is None else buckets
+        self.sleep = sleep
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -98,6 +101,8 @@ class BodyLimitMiddleware:
             if unread is None:
                 return  # the client left
             more = unread
+        if more and not _waits_for_continue(scope):  # refused by the budget: held a while
+            await self.sleep(self.buckets.answer_delay(address, length))
         response = error_response(f"Request body is larger than the server's limit of "
                                   f"{self.max_bytes} bytes (--max-request-body-bytes).",
                                   HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
@@ -112,8 +117,7 @@ class BodyLimitMiddleware:
         it has sent nothing and will read the 413."""
         if length is None:
             return True
-        waiting = Headers(scope=scope).get("expect", "").lower() == "100-continue"
-        return not waiting and length <= self.buckets.available(address)
+        return not _waits_for_continue(scope) and length <= self.buckets.available(address)
 
     async def _drain(self, address: str, receive: Receive) -> bool | None:
         """Read and drop the body while `address`'s budget lasts: whether some is left
@@ -126,6 +130,10 @@ class BodyLimitMiddleware:
             self.buckets.charge(address, len(message.get("body", b"")))
             more = message.get("more_body", False)
         return more
+
+
+def _waits_for_continue(scope: Scope) -> bool:
+    return Headers(scope=scope).get("expect", "").lower() == "100-continue"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
