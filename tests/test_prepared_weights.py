@@ -11,7 +11,6 @@ import gguf
 import pytest
 import torch
 
-from pagellm.model import loader
 from pagellm.model.loader import load_model
 from pagellm.model.prepared_weights import prepared_path
 
@@ -46,7 +45,7 @@ def test_a_restart_reads_the_prepared_weights_and_computes_the_same(
     def no_parsing(*args: object) -> None:
         raise AssertionError("the GGUF was parsed again")
 
-    monkeypatch.setattr(loader.gguf, "GGUFReader", no_parsing)  # the tokenizer is HF's
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)  # the tokenizer is HF's
     assert torch.equal(logits_of(tiny_gguf), fresh)
 
 

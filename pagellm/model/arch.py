@@ -9,13 +9,14 @@ sliding-window layers and its own scales (read in gemma3.py, modelled there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
 import numpy as np
-from gguf.quants import dequantize
 
 from pagellm.logger import init_logger
+
+if TYPE_CHECKING:  # gguf is imported where a file is read (loader.py says why)
+    import gguf
 
 logger = init_logger(__name__)
 
@@ -228,6 +229,8 @@ def gguf_rope_scaling(reader: gguf.GGUFReader, arch: str,
                        freqs: gguf.ReaderTensor | None) -> dict[str, Any] | None:
     """llama.cpp bakes Llama 3 scaling into a `rope_freqs` tensor of per-frequency divisors."""
     if freqs is not None:
+        from gguf.quants import dequantize
+
         factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
         return {"rope_type": "freq_factors", "factors": factors.tolist()}
     if gguf_field(reader, f"{arch}.rope.scaling.type", "none") != "linear":

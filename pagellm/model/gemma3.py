@@ -14,9 +14,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +25,9 @@ from pagellm.model.arch import ArchConfig, gguf_field, gguf_rope_scaling, hf_rop
 from pagellm.model.attention import AttentionMetadata
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.llama import Attention, LlamaForCausalLM
+
+if TYPE_CHECKING:  # gguf is imported where a file is read (loader.py says why)
+    import gguf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_PATTERN = 6  # every sixth layer is global (Gemma 3's layout and llama.cpp's)

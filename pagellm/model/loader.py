@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import gguf
 import torch
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase
@@ -21,7 +21,6 @@ from pagellm.model.errors import model_file_error, reading
 from pagellm.model.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
 from pagellm.model.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from pagellm.model.gemma3 import Gemma3ForCausalLM
-from pagellm.model.gguf_weights import check_tensor_types, gguf_quantized_weights, gguf_weights
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
                                             measure_max_tokens)
@@ -36,6 +35,9 @@ from pagellm.mistral.params import has_vision_encoder, read_params
 from pagellm.mistral.weights import consolidated_files, mistral_weights
 from pagellm.tokenizer import (eos_token_ids, find_chat_template, load_mistral_tokenizer,
                                load_tokenizer, tokenizer_source)
+
+if TYPE_CHECKING:
+    import gguf
 
 logger = init_logger(__name__)
 
@@ -198,6 +200,13 @@ def with_tokenizer(net: LlamaForCausalLM, arch: ArchConfig, path: Path, tokenize
 
 
 def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
+    """gguf (and gguf_weights.py) are imported here, where a file is read, not with this
+    module: the import costs half a second (gguf-py pulls in mistral-common), which a
+    restart from the prepared-weights cache never needs."""
+    import gguf
+
+    from pagellm.model.gguf_weights import check_tensor_types
+
     with reading(path, "not a readable GGUF file (truncated or corrupt)"):
         reader = gguf.GGUFReader(path)
     with reading(path, "unsupported model"):
@@ -230,6 +239,8 @@ def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtyp
                     device: torch.device, max_tokens: int | None, int8_activations: bool,
                     batch_invariant: bool, shard: WeightShard | None = None) -> LlamaForCausalLM:
     """With `shard`, one rank's part of the model (pagellm.distributed.sharding)."""
+    from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+
     shard = shard or WeightShard()
     net = shard.instantiate(arch, dtype, device)
     layers = []

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
 import torch
 from torch import nn
 
@@ -27,6 +26,9 @@ from pagellm.model.arch import ArchConfig, arch_from_hf_config, gguf_field
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.quantized import Linear
+
+if TYPE_CHECKING:  # gguf is imported where a file is read (loader.py says why)
+    import gguf
 
 # The dense family whose attention each MoE type shares.
 _DENSE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 from pathlib import Path
 
-import gguf
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -45,7 +45,7 @@ def prepared_path(gguf_path: Path, dtype: torch.dtype, int8_activations: bool) -
     for name in _LAYOUT_SOURCES:
         digest.update((here / name).read_bytes())
     key = (f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{int8_activations}|"
-           f"{torch.__version__}|{gguf.__version__ if hasattr(gguf, '__version__') else ''}|"
+           f"{torch.__version__}|{importlib.metadata.version('gguf')}|"
            f"{digest.hexdigest()}")
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
     return pagellm_cache_dir() / "prepared" / f"{name}.safetensors"
