@@ -52,18 +52,19 @@ def fault_in_background(tensors: list[torch.Tensor]) -> None:
     kernel lacks it, the pages are zeroed here instead."""
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def populate(tensor: torch.Tensor) -> int:
-        size = tensor.numel() * tensor.element_size()
+    def populate(tensor: torch.Tensor, size: int | None = None) -> int:
+        size = tensor.numel() * tensor.element_size() if size is None else size
         return libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(size),
                             _MADV_POPULATE_WRITE)
 
     if not tensors:
         return
-    if populate(tensors[0]) != 0:
+    probe = min(_HUGE_PAGE_BYTES, tensors[0].numel() * tensors[0].element_size())
+    if populate(tensors[0], probe) != 0:  # one page tells whether the kernel has it
         for tensor in tensors:
             tensor.zero_()
         return
-    threading.Thread(target=lambda: [populate(t) for t in tensors[1:]], daemon=True,
+    threading.Thread(target=lambda: [populate(t) for t in tensors], daemon=True,
                      name="kv-cache-fault-in").start()
 
 

@@ -36,7 +36,7 @@ START_METHOD_ENV_VARS = ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPR
 def start_method(default: str = "spawn") -> str:
     """How the engine core process starts: vLLM's VLLM_WORKER_MULTIPROC_METHOD (or its
     PAGELLM_ twin) if set, else `default`. `spawn` is safe in any process; `pagellm serve`
-    asks for `fork` where that is safe (see api_server.engine_start_method)."""
+    asks for `fork` where that is safe (see launch.engine_start_method)."""
     for name in START_METHOD_ENV_VARS:
         value = os.environ.get(name)
         if value:
@@ -164,6 +164,7 @@ def run_engine_core(conn: Connection, args: EngineArgs,
     loaded = core.loaded
     conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
                         loaded.tokenizer))
+    core.structured_outputs.warm_up()
     try:
         _step_loop(core, conn, place.rank)
     except (EOFError, ConnectionError, KeyboardInterrupt):  # the server is gone

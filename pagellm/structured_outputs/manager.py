@@ -97,7 +97,12 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),
                                             thread_name_prefix="grammar-compile")
-        # the library and its vocabulary tables are ready before the first request needs them
+
+    def warm_up(self) -> None:
+        """Import the default library and build its vocabulary tables in the background, so
+        that they are ready before the first request needs them. Called once the engine is
+        ready, not while it loads: the thread's imports hold the import locks and the GIL,
+        and stalled the load by over a second."""
         self._executor.submit(self._backend, "guidance" if self.config.backend == "guidance"
                               else "xgrammar")
 
