@@ -64,21 +64,26 @@ class DataParallelBalancer:
 
 class DataParallelCoreClient:
     """One EngineCoreClient per rank, by rank: this node's started side by side, the other
-    nodes' joining over their sockets."""
+    nodes' joining over their sockets. As EngineCoreClient(wait=False): the constructor
+    starts this node's engines, `wait_ready()` waits for them all, then `start_reading()`."""
 
     def __init__(self, args: EngineArgs, config: DataParallelConfig,
                  on_result: Callable[[StepResult], None], on_dead: Callable[[], None],
                  default_start: str = "spawn") -> None:
-        self._on_result = on_result
+        self._on_result, self._on_dead = on_result, on_dead
+        self._config, self._block_size = config, args.block_size
         self._doorman: Doorman | None = None
         local = config.local_ranks
         self.clients = [EngineCoreClient(args, self._observe, on_dead,
                                          EnginePlace(rank, config.size, index, len(local)),
                                          wait=False, default_start=default_start)
                         for index, rank in enumerate(local)]
+        self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
+
+    def wait_ready(self) -> CoreReady:
         try:
-            if config.remote_ranks:
-                self.clients += self._join_remote(config, on_dead)
+            if self._config.remote_ranks:
+                self.clients += self._join_remote(self._config, self._on_dead)
             for client in self.clients:
                 client.wait_ready()
             _check_same_model(self.clients)
@@ -87,12 +92,14 @@ class DataParallelCoreClient:
             raise
         self.ready: CoreReady = self.clients[0].ready
         blocks = min(client.ready.info.num_kv_blocks for client in self.clients)
-        self.balancer = DataParallelBalancer(config.size, args.block_size, max(blocks, 1))
-        self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
+        self.balancer = DataParallelBalancer(self._config.size, self._block_size, max(blocks, 1))
+        logger.info("Data parallel: %d engine cores, each with %s KV blocks",
+                    self._config.size, f"{blocks:,}")
+        return self.ready
+
+    def start_reading(self) -> None:
         for client in self.clients:
             client.start_reading()
-        logger.info("Data parallel: %d engine cores, each with %s KV blocks", config.size,
-                    f"{blocks:,}")
 
     def _join_remote(self, config: DataParallelConfig,
                      on_dead: Callable[[], None]) -> list[EngineCoreClient]:

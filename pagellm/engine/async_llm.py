@@ -41,11 +41,14 @@ class RequestFailedError(RuntimeError):
 
 class AsyncLLM:
     """`default_start`: how the engine core process starts unless VLLM_WORKER_MULTIPROC_METHOD
-    says otherwise (`spawn`, safe in any process; the server asks for `fork`)."""
+    says otherwise (`spawn`, safe in any process; the server asks for `fork`).
+    `wait=False` returns once the engine core processes are started; `wait_ready()` then
+    waits for their load, so that the server imports its front end meanwhile."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = True,
-                 default_start: str = "spawn") -> None:
+                 default_start: str = "spawn", wait: bool = True) -> None:
         self.args = args
+        self._log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._dead = False
@@ -55,7 +58,20 @@ class AsyncLLM:
         self.engines = list(data_parallel.local_ranks if data_parallel.rank is not None
                             else range(data_parallel.size))
         self.client = self._start_client(args, data_parallel, default_start)
-        ready = self.client.ready
+        self._death_callbacks: list[Callable[[], None]] = []
+        self._log_task: asyncio.Task | None = None
+        self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Once the engine cores have loaded: the tokenizer, processors and stat loggers."""
+        try:
+            ready = self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        args = self.args
         self.info = ready.info
         self.model_path = Path(ready.model_path)
         self.tokenizer = ready.tokenizer
@@ -63,23 +79,21 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.tokenizer_pool = TokenizerPool(self.tokenizer)
-        self._death_callbacks: list[Callable[[], None]] = []
         self.model_name = args.served_model_name or args.model or self.model_path.name
         self.stat_loggers: list[StatLogger] = []
-        if log_stats:
+        if self._log_stats:
             kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
             self.stat_loggers = [
                 *(LoggingStatLogger(kv_label, engine) for engine in self.engines),
                 *PrometheusStatLogger.for_engines(self.model_name, self.engines)]
-        self._log_task: asyncio.Task | None = None
-        self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
+        self.client.start_reading()
 
     def _start_client(self, args: EngineArgs, data_parallel: DataParallelConfig,
                       default_start: str) -> "EngineCoreClient | DataParallelCoreClient":
         if len(self.engines) == 1:
             return EngineCoreClient(args, self._on_result, self._on_dead,
                                     EnginePlace(self.engines[0], data_parallel.size),
-                                    default_start=default_start)
+                                    wait=False, default_start=default_start)
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
         return DataParallelCoreClient(args, data_parallel, self._on_result, self._on_dead,
@@ -87,8 +101,8 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = True,
-                         default_start: str = "spawn") -> "AsyncLLM":
-        return cls(args, log_stats, default_start)
+                         default_start: str = "spawn", wait: bool = True) -> "AsyncLLM":
+        return cls(args, log_stats, default_start, wait)
 
     @property
     def errored(self) -> bool:
@@ -241,5 +255,6 @@ class AsyncLLM:
         self._closing = True
         if self._log_task is not None:
             self._log_task.cancel()
-        self.tokenizer_pool.shutdown()
+        if hasattr(self, "tokenizer_pool"):  # else stopped before the engines were ready
+            self.tokenizer_pool.shutdown()
         self.client.shutdown()

@@ -42,7 +42,7 @@ def _dashed_flag(word: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from pagellm.entrypoints.openai.api_server import run_server
+    from pagellm.entrypoints.openai.launch import run_server
 
     run_server(args)
 

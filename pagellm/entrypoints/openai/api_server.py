@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import functools
@@ -12,7 +11,6 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 
 from pagellm import __version__
-from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
@@ -249,19 +246,6 @@ def add_middleware(app: FastAPI, settings: ServerSettings, admission: Admission)
                            allow_credentials=cors.allow_credentials)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port,
-                                                             type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as error:
-        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    return sock
-
-
 def log_routes(app: FastAPI, settings: ServerSettings) -> None:
     scheme = "https" if settings.ssl_certfile else "http"
     logger.info("Starting pagellm API server on %s://%s:%d", scheme, settings.host,
@@ -288,11 +272,11 @@ class _Server(DrainingServer):
                                    self.settings.frontend))
 
 
-async def serve(settings: ServerSettings, sock: socket.socket) -> int:
-    """Serve until SIGTERM (exit code 0, after the drain) or engine death (1)."""
-    engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats,
-                                       default_start=engine_start_method())
+async def serve(settings: ServerSettings, sock: socket.socket, engine: AsyncLLM) -> int:
+    """Serve until SIGTERM (exit code 0, after the drain) or engine death (1). `engine` may
+    still be loading (launch.py); it is waited for here."""
     try:
+        engine.wait_ready()
         app = build_app(engine, settings)
         if app.state.pagellm.lora is not None:
             await app.state.pagellm.lora.load_modules()
@@ -308,41 +292,3 @@ async def serve(settings: ServerSettings, sock: socket.socket) -> int:
         return server.exit_code
     finally:
         engine.shutdown()
-
-
-def engine_start_method() -> str:
-    """Fork the engine core unless told otherwise: it then begins with torch and the model
-    code already imported, seconds sooner than a fresh interpreter. Safe in `pagellm serve`,
-    which has run no torch operation and started no thread yet; not with CUDA, which must
-    not be initialised before a fork, and not for engines made inside other programs."""
-    return "spawn" if torch.cuda.is_available() else "fork"
-
-
-def run_headless_node(args: EngineArgs) -> int:
-    """Data parallel engine cores (`-dp`), or tensor and pipeline ranks (`--nnodes`)."""
-    parallel = args.parallel_config()
-    if parallel.data_parallel.headless:
-        from pagellm.distributed.dp_nodes import run_headless_engines
-
-        return run_headless_engines(args, engine_start_method())
-    from pagellm.distributed.nodes import run_headless
-
-    return run_headless(parallel)
-
-
-def run_server(args: argparse.Namespace) -> None:
-    settings = ServerSettings.from_args(args)
-    if settings.engine_args.headless:  # a secondary node: engine ranks, no API server
-        raise SystemExit(run_headless_node(settings.engine_args))
-    sock = bind_socket(settings.host, settings.port)
-    try:
-        serving = serve
-        if settings.engine_args.runner_kind() == "pooling":  # an embedding model
-            from pagellm.entrypoints.openai.pooling_server import serve_pooling
-
-            serving = serve_pooling
-        exit_code = asyncio.run(serving(settings, sock))
-    finally:
-        sock.close()
-    if exit_code:
-        raise SystemExit(exit_code)
