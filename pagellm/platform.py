@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import threading
 
 import torch
@@ -49,23 +50,45 @@ def fault_in_background(tensors: list[torch.Tensor]) -> None:
     """Fault the pages of zeros_in_huge_pages(..., fault_in=False) tensors in from a thread,
     so that a start-up does not wait for gigabytes of zeroing. MADV_POPULATE_WRITE never
     changes what a page holds, so the engine may write into the tensors meanwhile. Where the
-    kernel lacks it, the pages are zeroed here instead."""
+    kernel lacks it, the pages are zeroed here instead.
+
+    The thread runs only on a core nothing else wants (SCHED_IDLE), and faults one huge page
+    per call. Each call holds the process's memory-map lock, which every large malloc of the
+    engine waits for: whole layers per call at normal priority (seconds each where, as in a
+    VM, first touching memory is slow) made a first request take 15 s instead of 0.1 s."""
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def populate(tensor: torch.Tensor, size: int | None = None) -> int:
-        size = tensor.numel() * tensor.element_size() if size is None else size
-        return libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(size),
+    def populate(address: int, size: int) -> int:
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size),
                             _MADV_POPULATE_WRITE)
 
-    if not tensors:
+    def pages(tensor: torch.Tensor) -> list[tuple[int, int]]:
+        start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        return [(start + offset, min(_HUGE_PAGE_BYTES, size - offset))
+                for offset in range(0, size, _HUGE_PAGE_BYTES)]
+
+    work = [page for tensor in tensors for page in pages(tensor)]
+    if not work:
         return
-    probe = min(_HUGE_PAGE_BYTES, tensors[0].numel() * tensors[0].element_size())
-    if populate(tensors[0], probe) != 0:  # one page tells whether the kernel has it
+    if populate(*work[0]) != 0:  # one page tells whether the kernel has it
         for tensor in tensors:
             tensor.zero_()
         return
-    threading.Thread(target=lambda: [populate(t) for t in tensors], daemon=True,
-                     name="kv-cache-fault-in").start()
+
+    def populate_all() -> None:
+        _run_only_when_idle()
+        for address, size in work[1:]:
+            populate(address, size)
+
+    threading.Thread(target=populate_all, daemon=True, name="kv-cache-fault-in").start()
+
+
+def _run_only_when_idle() -> None:
+    """Linux's SCHED_IDLE for the calling thread; elsewhere it keeps its priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 _PR_SET_NAME = 15

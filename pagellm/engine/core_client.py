@@ -164,7 +164,6 @@ def run_engine_core(conn: Connection, args: EngineArgs,
     loaded = core.loaded
     conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
                         loaded.tokenizer))
-    core.structured_outputs.warm_up()
     try:
         _step_loop(core, conn, place.rank)
     except (EOFError, ConnectionError, KeyboardInterrupt):  # the server is gone

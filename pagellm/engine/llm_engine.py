@@ -42,7 +42,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
-        self.core.structured_outputs.warm_up()
 
     @property
     def vocab_size(self) -> int:

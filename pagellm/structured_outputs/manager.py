@@ -98,14 +98,6 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2),
                                             thread_name_prefix="grammar-compile")
 
-    def warm_up(self) -> None:
-        """Import the default library and build its vocabulary tables in the background, so
-        that they are ready before the first request needs them. Called once the engine is
-        ready, not while it loads: the thread's imports hold the import locks and the GIL,
-        and stalled the load by over a second."""
-        self._executor.submit(self._backend, "guidance" if self.config.backend == "guidance"
-                              else "xgrammar")
-
     def attach(self, request: "Request") -> None:
         """Start (or reuse) the compilation of the request's grammar."""
         params: StructuredOutputsParams = request.sampling_params.structured_outputs
@@ -124,7 +116,11 @@ class StructuredOutputManager:
     def _backend(self, name: str) -> GrammarBackend:
         with self._lock:
             backend = self._backends.get(name)
-        if backend is None:  # the tokenizer's tables take a few tenths of a second, once
+        # Built by the first request that needs it (its import and the tokenizer's tables
+        # take about half a second, once), as vLLM does. Warmed up in a thread instead, the
+        # library held the GIL and the import locks: while the engine loaded, it stalled the
+        # load by a second; once ready, the first requests.
+        if backend is None:
             backend = backend_class(name)(*self._backend_args)
             with self._lock:
                 backend = self._backends.setdefault(name, backend)
