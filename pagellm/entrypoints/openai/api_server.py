@@ -17,12 +17,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 from pagellm import __version__
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.client_hub import FrontEndPlace
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
                                                documented_errors, error_response,
@@ -67,6 +68,7 @@ class AppState:
     admission: Admission
     drain: Drain
     lora: LoRAAdapters | None = None  # with --enable-lora
+    metrics_registry: CollectorRegistry = REGISTRY  # every process's, with several front ends
 
 
 def _state(raw_request: Request) -> AppState:
@@ -135,9 +137,10 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-async def metrics() -> Response:
+async def metrics(raw_request: Request) -> Response:
     """Prometheus text with vLLM's `vllm:` metric names."""
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_state(raw_request).metrics_registry),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 async def kv_cache(raw_request: Request) -> JSONResponse:
@@ -288,15 +291,23 @@ class _Server(DrainingServer):
                                    self.settings.frontend))
 
 
-async def serve(settings: ServerSettings, sock: socket.socket) -> int:
-    """Serve until SIGTERM (exit code 0, after the drain) or engine death (1)."""
+async def serve(settings: ServerSettings, sock: socket.socket,
+                front_end: FrontEndPlace | None = None) -> int:
+    """Serve until SIGTERM (exit code 0, after the drain) or engine death (1). `front_end`:
+    this is one of several API server processes (api_servers.py)."""
     engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats,
-                                       default_start=engine_start_method())
+                                       default_start=engine_start_method(),
+                                       front_end=front_end)
     try:
         app = build_app(engine, settings)
+        if front_end is not None:
+            from pagellm.entrypoints.openai.api_servers import adapt_app
+
+            adapt_app(app, front_end)
         if app.state.pagellm.lora is not None:
             await app.state.pagellm.lora.load_modules()
-        log_routes(app, settings)
+        if front_end is None or front_end.index == 0:
+            log_routes(app, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level,
                                 ssl_keyfile=settings.ssl_keyfile,
@@ -334,6 +345,17 @@ def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
     if settings.engine_args.headless:  # a secondary node: engine ranks, no API server
         raise SystemExit(run_headless_node(settings.engine_args))
+    if settings.engine_args.api_server_count > 1:
+        from pagellm.entrypoints.openai.api_servers import run_api_servers
+
+        exit_code = run_api_servers(settings)
+    else:
+        exit_code = _run_one_server(settings)
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def _run_one_server(settings: ServerSettings) -> int:
     sock = bind_socket(settings.host, settings.port)
     try:
         serving = serve
@@ -341,8 +363,6 @@ def run_server(args: argparse.Namespace) -> None:
             from pagellm.entrypoints.openai.pooling_server import serve_pooling
 
             serving = serve_pooling
-        exit_code = asyncio.run(serving(settings, sock))
+        return asyncio.run(serving(settings, sock))
     finally:
         sock.close()
-    if exit_code:
-        raise SystemExit(exit_code)
