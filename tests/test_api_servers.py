@@ -13,13 +13,22 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import Pipe
 from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import RemoteServer, assert_clean_shutdown, run_cli
+from server_utils import RemoteServer, assert_clean_shutdown
 
+from pagellm.core.sched_output import RequestUpdate, SchedulerStats
+from pagellm.engine.client_hub import FrontEndHub
+from pagellm.engine.core_client import (AddRequest, CheckKVCache, FinishRequests, Shutdown,
+                                        StepResult)
+from pagellm.entrypoints.cli import build_parser
 from pagellm.entrypoints.llm import LLM
+from pagellm.entrypoints.openai.api_servers import check_supported
+from pagellm.entrypoints.openai.cli_args import ServerSettings
+from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
 SERVED_BY = "pagellm-api-server"
@@ -43,10 +52,13 @@ def _children(pid: int) -> dict[str, int]:
     return {Path(f"/proc/{child}/comm").read_text().strip(): int(child) for child in children}
 
 
-def _greedy(model: Path, prompts: list[str]) -> list[str]:
-    single = LLM(str(model), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24)
+@pytest.fixture(scope="module")
+def greedy(tiny_llama_dir: Path) -> list[str]:
+    """The single-process engine's greedy answers to PROMPTS."""
+    single = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
+                 kv_cache_memory=1 << 24)
     return [output.outputs[0].text for output in single.generate(
-        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+        PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
 
 
 def _ask_all(server: RemoteServer, model: str) -> tuple[list[str], set[str], int]:
@@ -115,13 +127,12 @@ def _open_stream(server: RemoteServer, client: httpx.Client) -> _Stream:
     return _Stream(response, lines)
 
 
-def test_two_api_servers_share_one_engine(tiny_llama_dir: Path) -> None:
-    expected = _greedy(tiny_llama_dir, PROMPTS)
+def test_two_api_servers_share_one_engine(tiny_llama_dir: Path, greedy: list[str]) -> None:
     server = _start(tiny_llama_dir, "--served-model-name", "m")
     try:
         assert {"APIServer_0", "APIServer_1", "EngineCore"} <= set(_children(server.process.pid))
         answers, served_by, tokens = _ask_all(server, "m")
-        assert answers == expected and served_by == {"0", "1"}
+        assert answers == greedy and served_by == {"0", "1"}
         assert sum(_samples(server, "vllm:request_success_total").values()) == len(PROMPTS)
         assert _samples(server, "vllm:generation_tokens_total") == {"0": tokens}
         assert _samples(server, "vllm:num_requests_running") == {"0": 0.0}  # one sample
@@ -146,13 +157,13 @@ def test_two_api_servers_share_one_engine(tiny_llama_dir: Path) -> None:
         server.stop()
 
 
-def test_every_api_server_balances_over_every_engine(tiny_llama_dir: Path) -> None:
+def test_every_api_server_balances_over_every_engine(tiny_llama_dir: Path,
+                                                     greedy: list[str]) -> None:
     """-dp 2: both front ends send to both engines; an engine's death stops the server."""
-    expected = _greedy(tiny_llama_dir, PROMPTS)
     server = _start(tiny_llama_dir, "-dp", "2", "--served-model-name", "m")
     try:
         answers, served_by, _ = _ask_all(server, "m")
-        assert answers == expected and served_by == {"0", "1"}
+        assert answers == greedy and served_by == {"0", "1"}
         served = _samples(server, "vllm:request_success_total")
         assert set(served) == {"0", "1"} and sum(served.values()) == len(PROMPTS)
         assert _samples(server, "vllm:num_requests_waiting") == {"0": 0.0, "1": 0.0}
@@ -185,17 +196,55 @@ def test_a_dead_api_server_stops_the_server_and_frees_its_requests(
         server.stop()
 
 
+def _update(request_id: str, finished: bool = False) -> RequestUpdate:
+    return RequestUpdate(request_id, None, 0, [7], [None], "length" if finished else None)
+
+
+def test_the_hub_keeps_each_front_ends_requests_its_own() -> None:
+    """Two front ends send the same request id: each gets only its own tokens back, every
+    step's stats reach both, a reply goes to the asker, and a front end that leaves has
+    what it still runs aborted."""
+    pipes = [Pipe() for _ in range(2)]
+    hub = FrontEndHub([engine_end for engine_end, _ in pipes])
+    front = [front_end for _, front_end in pipes]
+    hub.send("ready")  # before any ask: to every front end
+    assert [conn.recv() for conn in front] == ["ready", "ready"]
+    for conn in front:
+        conn.send(AddRequest(Request("cmpl-1", [1, 2], SamplingParams(n=2), max_tokens=4)))
+    first, second = hub.recv(), hub.recv()
+    assert {first.request.request_id, second.request.request_id} == {"0|cmpl-1", "1|cmpl-1"}
+    stats = SchedulerStats(2, 0, 0.0, 0, 0, 0)
+    hub.send(StepResult([_update("0|cmpl-1"), _update("1|cmpl-1#1", finished=True)], stats))
+    mine, theirs = front[0].recv(), front[1].recv()
+    assert [u.request_id for u in mine.updates] == ["cmpl-1"] and mine.stats == stats
+    assert [u.request_id for u in theirs.updates] == ["cmpl-1#1"] and theirs.stats == stats
+    front[1].send(CheckKVCache())
+    assert isinstance(hub.recv(), CheckKVCache)
+    hub.send("report")
+    assert front[1].recv() == "report" and not front[0].poll()
+    front[0].send(FinishRequests(["cmpl-1#1"], RequestStatus.FINISHED_ABORTED))
+    assert hub.recv().request_ids == ["0|cmpl-1#1"]
+    front[1].close()  # its process died: its unfinished sequence is aborted
+    assert hub.poll()
+    aborted = hub.recv()
+    assert (aborted.request_ids, aborted.status) == (["1|cmpl-1"],
+                                                     RequestStatus.FINISHED_ABORTED)
+    front[0].send(Shutdown())
+    assert hub.recv().request_ids == ["0|cmpl-1"]
+    with pytest.raises(EOFError):  # every front end has left: the engine core ends
+        hub.recv()
+
+
 @pytest.mark.parametrize("flags, message", [
-    (("--api-server-count", "0"), "api_server_count must be at least 1, got 0."),
-    (("--api-server-count", "-1"), "argument --api-server-count: must be 0 or more, got -1"),
-    (("--api-server-count", "2", "--headless", "-dp", "2"),
-     "api_server_count 2 with --headless: a headless node runs no API server."),
-    (("--api-server-count", "2", "-dp", "2", "-dpl", "1"),
-     "api_server_count 2 with data parallel ranks on other nodes (-dpl below -dp) is not "
+    (("--runner", "pooling"), "api_server_count 2 with a pooling (embedding) model is not "
+                              "supported by pagellm yet"),
+    (("--enable-lora", "--enable-runtime-lora-updating"),
+     "api_server_count 2 with runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) is not "
      "supported by pagellm yet"),
 ])
-def test_what_is_not_built_is_refused_in_one_line(flags: tuple[str, ...], message: str) -> None:
-    result = run_cli("serve", *flags, timeout=60)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+def test_servers_not_built_for_several_front_ends_are_refused(
+        tiny_llama_dir: Path, flags: tuple[str, ...], message: str) -> None:
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--api-server-count", "2",
+                                      *flags])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_supported(ServerSettings.from_args(args))
