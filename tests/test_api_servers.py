@@ -28,6 +28,8 @@ from pagellm.entrypoints.cli import build_parser
 from pagellm.entrypoints.llm import LLM
 from pagellm.entrypoints.openai.api_servers import check_supported
 from pagellm.entrypoints.openai.cli_args import ServerSettings
+from pagellm.metrics.loggers import LoggingStatLogger
+from pagellm.metrics.stats import IterationStats
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
@@ -233,6 +235,15 @@ def test_the_hub_keeps_each_front_ends_requests_its_own() -> None:
     assert hub.recv().request_ids == ["0|cmpl-1"]
     with pytest.raises(EOFError):  # every front end has left: the engine core ends
         hub.recv()
+
+
+def test_the_engine_line_counts_the_tokens_of_every_front_end() -> None:
+    """APIServer_0 logs the engine's line: its generation throughput is the engine's count,
+    not that of APIServer_0's own requests."""
+    shared, alone = LoggingStatLogger(engine_tokens=True), LoggingStatLogger()
+    for line in (shared, alone):
+        line.record(SchedulerStats(3, 0, 0.0, 4, 6, 0), IterationStats(num_generation_tokens=2))
+    assert (shared.generation_tokens, alone.generation_tokens) == (6, 2)
 
 
 @pytest.mark.parametrize("flags, message", [
