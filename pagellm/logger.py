@@ -33,3 +33,12 @@ def log_to_stderr() -> None:
         if isinstance(handler, logging.StreamHandler):
             handler.setStream(sys.stderr)
 
+
+
+def name_process_lines(name: str) -> None:
+    """Head this process's log lines with its name and pid, as vLLM's `(APIServer pid=..)`,
+    where several processes of one server write to the same terminal."""
+    _configure_root()
+    prefix = f"({name} pid={os.getpid()}) "
+    for handler in logging.getLogger("pagellm").handlers:
+        handler.setFormatter(logging.Formatter(prefix + _FORMAT, datefmt=_DATE_FORMAT))

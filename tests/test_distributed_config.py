@@ -54,7 +54,8 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
     ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray'"),
     ({"headless": True}, "--headless without --nnodes or data_parallel_size"),
     ({"nnodes": 2, "data_parallel_size": 2}, "data parallelism combined with --nnodes"),
-    ({"api_server_count": 4}, "api_server_count 4"),
+    ({"api_server_count": 4, "data_parallel_size": 2, "data_parallel_size_local": 1},
+     "api_server_count 4 with data parallel ranks on other nodes (-dpl below -dp)"),
 ])
 def test_unbuilt_combinations_are_refused(overrides: dict, refused: str) -> None:
     with pytest.raises(ValueError, match="is not supported by pagellm yet") as error:
@@ -65,6 +66,22 @@ def test_unbuilt_combinations_are_refused(overrides: dict, refused: str) -> None
 def test_sizes_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1, got 0"):
         ParallelArgs(tensor_parallel_size=0).parallel_config()
+    with pytest.raises(ValueError, match="api_server_count must be at least 1, got 0"):
+        ParallelArgs(api_server_count=0).parallel_config()
+    with pytest.raises(SystemExit):  # argparse: "must be 0 or more, got -1"
+        _engine_args("--api-server-count", "-1")
+
+
+def test_api_servers_run_with_local_engines_only() -> None:
+    """Several API servers, with one engine or data parallel ones on this node (or one
+    rank behind an outside balancer); never on a headless node, which serves no API."""
+    for overrides in ({}, {"data_parallel_size": 2}, {"data_parallel_size": 2,
+                                                      "data_parallel_rank": 1}):
+        ParallelArgs(api_server_count=2, **overrides).parallel_config()
+    with pytest.raises(ValueError, match="api_server_count 2 with --headless: a headless node "
+                                         "runs no API server."):
+        ParallelArgs(api_server_count=2, headless=True, data_parallel_size=2,
+                     data_parallel_size_local=1, data_parallel_start_rank=1).parallel_config()
 
 
 @pytest.mark.parametrize("layers, stages, expected", [

@@ -97,6 +97,12 @@ def test_start_up_log_says_no_kv_cache(server: RemoteServer) -> None:
     assert "no KV cache is allocated" in log and "Allocating the KV cache" not in log
 
 
+def test_metrics_answer(server: RemoteServer) -> None:
+    """/metrics is a route shared with the generation server, read from the app's state."""
+    response = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert response.status_code == 200 and "# TYPE" in response.text
+
+
 def test_embeddings_through_the_sdk(server: RemoteServer, engine: PoolingEngine) -> None:
     client = server.client()
     one = client.embeddings.create(model="minilm", input=TEXTS[0])

@@ -42,7 +42,8 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "data_parallel_backend": ("-dpb", "mp or ray: how data parallel ranks are started"),
     "headless": (None, "run engines only, no API server (secondary nodes, with --nnodes or "
                        "-dp)"),
-    "api_server_count": (None, "HTTP front-end processes"),
+    "api_server_count": (None, "API server processes (HTTP, tokenization, detokenization) "
+                               "sharing the port and the engine cores"),
     "distributed_executor_backend": (None, "mp, ray or uni (default: uni for one process, "
                                            "else mp)"),
     "nnodes": (None, "nodes of a multi-node run without Ray"),
@@ -195,10 +196,12 @@ class ParallelConfig:
         _refuse_unbuilt(args)
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         _check_nodes(args, world)
+        data_parallel = DataParallelConfig.from_args(args)
+        _check_api_servers(args, data_parallel)
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
                    _executor_backend(args.distributed_executor_backend, world),
                    args.nnodes, _node_rank(args), args.master_addr, args.master_port,
-                   DataParallelConfig.from_args(args))
+                   data_parallel)
 
     @property
     def layout(self) -> tuple[int, int, int]:
@@ -230,6 +233,18 @@ def _check_nodes(args: ParallelArgs, world: int) -> None:
         raise ValueError(f"node_rank {args.node_rank} runs only engine ranks: add --headless.")
 
 
+def _check_api_servers(args: ParallelArgs, data_parallel: DataParallelConfig) -> None:
+    """Several API server processes reach the engine cores of their own node only."""
+    count = args.api_server_count
+    if count > 1 and args.headless:
+        raise ValueError(f"api_server_count {count} with --headless: a headless node runs no "
+                         "API server.")
+    if count > 1 and data_parallel.remote_ranks:
+        raise ValueError(f"api_server_count {count} with data parallel ranks on other nodes "
+                         "(-dpl below -dp) is not supported by pagellm yet; run the engines "
+                         "on the head node, or one API server.")
+
+
 def _executor_backend(requested: str | None, world_size: int) -> str:
     """vLLM's automatic choice on one node: uni for one process, else mp."""
     if requested is None:
@@ -256,7 +271,6 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
         "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
         "--headless without --nnodes or data_parallel_size": args.headless and args.nnodes == 1
             and args.data_parallel_size == 1,
-        f"api_server_count {args.api_server_count}": args.api_server_count > 1,
         "data parallelism combined with --nnodes (run data parallel nodes with -dpl, -dpr "
         "and -dpa)": args.nnodes > 1 and args.data_parallel_size > 1,
     }

@@ -17,14 +17,16 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from pagellm.core.prefix_index import PrefixIndex, block_hashes
 from pagellm.core.sched_output import SchedulerStats
 from pagellm.distributed.config import DataParallelConfig
 from pagellm.distributed.roster import Doorman
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import (AddLoRA, CoreReady, EngineCoreClient, EnginePlace,
-                                        KVCacheReport, LoRAReply, RemoveLoRA, StepResult)
+from pagellm.engine.core_client import (AddLoRA, AttachedEngineCoreClient, CoreReady,
+                                        EngineCoreClient, EnginePlace, KVCacheReport, LoRAReply,
+                                        RemoveLoRA, StepResult)
 from pagellm.logger import init_logger
 from pagellm.request import Request, RequestStatus, child_request_id
 
@@ -69,15 +71,23 @@ class DataParallelCoreClient:
 
     def __init__(self, args: EngineArgs, config: DataParallelConfig,
                  on_result: Callable[[StepResult], None], on_dead: Callable[[], None],
-                 default_start: str = "spawn") -> None:
+                 default_start: str = "spawn",
+                 attached: tuple[Connection, ...] | None = None) -> None:
+        """`attached`: connections to engine cores the server's parent process started (one
+        of several API server processes), by rank; else this process starts them."""
         self._on_result, self._on_dead = on_result, on_dead
         self._config, self._block_size = config, args.block_size
         self._doorman: Doorman | None = None
         local = config.local_ranks
-        self.clients = [EngineCoreClient(args, self._observe, on_dead,
-                                         EnginePlace(rank, config.size, index, len(local)),
-                                         wait=False, default_start=default_start)
-                        for index, rank in enumerate(local)]
+        if attached is None:
+            self.clients = [EngineCoreClient(args, self._observe, on_dead,
+                                             EnginePlace(rank, config.size, index, len(local)),
+                                             wait=False, default_start=default_start)
+                            for index, rank in enumerate(local)]
+        else:
+            self.clients = [AttachedEngineCoreClient(conn, f"data parallel rank {rank}",
+                                                     self._observe, on_dead)
+                            for rank, conn in zip(local, attached)]
         self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
 
     def wait_ready(self) -> CoreReady:
@@ -104,7 +114,7 @@ class DataParallelCoreClient:
     def _join_remote(self, config: DataParallelConfig,
                      on_dead: Callable[[], None]) -> list[EngineCoreClient]:
         """The other nodes' engines, by rank, once all have joined."""
-        from pagellm.distributed.dp_nodes import RemoteEngineCoreClient, join_remote_engines
+        from pagellm.distributed.dp_nodes import join_remote_engines, remote_engine_client
 
         def check_local() -> None:
             dead = [client for client in self.clients if not client.alive]
@@ -112,8 +122,8 @@ class DataParallelCoreClient:
                 raise RuntimeError(dead[0]._died_starting())
 
         roster, self._doorman = join_remote_engines(config, check_local)
-        return [RemoteEngineCoreClient(roster.conns[rank], rank, roster.holders[rank],
-                                       self._observe, on_dead)
+        return [remote_engine_client(roster.conns[rank], rank, roster.holders[rank],
+                                     self._observe, on_dead)
                 for rank in config.remote_ranks]
 
     def _observe(self, result: StepResult) -> None:

@@ -31,7 +31,7 @@ from pagellm.distributed.nodes import (NODES_WAIT_ENV, connect_to, new_node_id, 
 from pagellm.distributed.roster import (Doorman, NodeRefused, Refused, send_and_close,
                                         handshake)
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import (EngineCoreClient, EnginePlace, StepResult,
+from pagellm.engine.core_client import (AttachedEngineCoreClient, EnginePlace, StepResult,
                                         run_engine_core, start_method)
 from pagellm.logger import init_logger
 
@@ -186,41 +186,12 @@ def _accept(server: socket.socket, authkey: bytes, roster: EngineRoster,
     logger.info("All %d data parallel engines joined", roster.size)
 
 
-class _RemoteCore:
-    """A remote engine core's process, as far as the head sees it: alive while its
-    connection is open."""
-
-    exitcode = None
-
-    def __init__(self, client: EngineCoreClient) -> None:
-        self._closed = client.closed
-
-    def is_alive(self) -> bool:
-        return not self._closed.is_set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._closed.wait(timeout)
-
-    def kill(self) -> None:
-        """Its node ends it: closing the connection, as shutdown does next, tells it to."""
-
-
-class RemoteEngineCoreClient(EngineCoreClient):
-    """The engine core of a rank on another node, through its socket: the same messages as
-    through a local core's pipe."""
-
-    def __init__(self, conn: Connection, rank: int, node_id: str,
-                 on_result: Callable[[StepResult], None], on_dead: Callable[[], None]) -> None:
-        self._attach(conn, on_result, on_dead)
-        self._process = _RemoteCore(self)
-        self.where = f"data parallel rank {rank} (node {node_id})"
-
-    def _reap(self) -> None:
-        """Nothing to wait for here: the process is its node's."""
-
-    def _died_starting(self) -> str:
-        return (f"the engine core of {self.where} closed its connection during start-up; "
-                "see that node's log.")
+def remote_engine_client(conn: Connection, rank: int, node_id: str,
+                         on_result: Callable[[StepResult], None],
+                         on_dead: Callable[[], None]) -> AttachedEngineCoreClient:
+    """The engine core of a rank on another node, through its socket."""
+    return AttachedEngineCoreClient(conn, f"data parallel rank {rank} (node {node_id})",
+                                    on_result, on_dead)
 
 
 def run_headless_engines(args: EngineArgs, default_start: str) -> int:

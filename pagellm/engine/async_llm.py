@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.distributed.config import DataParallelConfig
-from pagellm.engine.core_client import (AddLoRA, EngineCoreClient, EnginePlace, KVCacheReport,
-                                        RemoveLoRA, StepResult)
+from pagellm.engine.client_hub import FrontEndPlace
+from pagellm.engine.core_client import (AddLoRA, AttachedEngineCoreClient, EngineCoreClient,
+                                        EnginePlace, KVCacheReport, RemoveLoRA, StepResult)
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.tokenizer_pool import TokenizerPool
@@ -43,10 +44,12 @@ class AsyncLLM:
     """`default_start`: how the engine core process starts unless VLLM_WORKER_MULTIPROC_METHOD
     says otherwise (`spawn`, safe in any process; the server asks for `fork`).
     `wait=False` returns once the engine core processes are started; `wait_ready()` then
-    waits for their load, so that the server imports its front end meanwhile."""
+    waits for their load, so that the server imports its front end meanwhile. `front_end`:
+    this is one of several API server processes, attached to engine cores already started."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = True,
-                 default_start: str = "spawn", wait: bool = True) -> None:
+                 default_start: str = "spawn", wait: bool = True,
+                 front_end: FrontEndPlace | None = None) -> None:
         self.args = args
         self._log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,7 +60,8 @@ class AsyncLLM:
         # the ranks behind this server: all of them, or one under an outside load balancer
         self.engines = list(data_parallel.local_ranks if data_parallel.rank is not None
                             else range(data_parallel.size))
-        self.client = self._start_client(args, data_parallel, default_start)
+        self.client = self._start_client(args, data_parallel, default_start, front_end)
+        self._front_end = front_end
         self._death_callbacks: list[Callable[[], None]] = []
         self._log_task: asyncio.Task | None = None
         self.lora_adapters: dict[str, LoRARequest] = {}  # by name: what `model` may select
@@ -80,16 +84,27 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.tokenizer_pool = TokenizerPool(self.tokenizer)
         self.model_name = args.served_model_name or args.model or self.model_path.name
-        self.stat_loggers: list[StatLogger] = []
-        if self._log_stats:
-            kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
-            self.stat_loggers = [
-                *(LoggingStatLogger(kv_label, engine) for engine in self.engines),
-                *PrometheusStatLogger.for_engines(self.model_name, self.engines)]
+        self.stat_loggers: list[StatLogger] = (self._make_stat_loggers(args, self._front_end)
+                                               if self._log_stats else [])
         self.client.start_reading()
 
+    def _make_stat_loggers(self, args: EngineArgs,
+                           front_end: FrontEndPlace | None) -> list[StatLogger]:
+        """A log line per engine and vLLM's metrics. Of several API server processes, only
+        one logs the line and records the engines' own figures; each records its requests'."""
+        engine_stats = front_end is None or front_end.records_engine_stats
+        kv_label = "GPU KV cache usage" if args.device == "cuda" else "KV cache usage"
+        lines = [LoggingStatLogger(kv_label, engine, engine_tokens=front_end is not None)
+                 for engine in self.engines] if engine_stats else []
+        return [*lines, *PrometheusStatLogger.for_engines(self.model_name, self.engines,
+                                                          engine_stats=engine_stats)]
+
     def _start_client(self, args: EngineArgs, data_parallel: DataParallelConfig,
-                      default_start: str) -> "EngineCoreClient | DataParallelCoreClient":
+                      default_start: str, front_end: FrontEndPlace | None
+                      ) -> "EngineCoreClient | DataParallelCoreClient":
+        if len(self.engines) == 1 and front_end is not None:
+            return AttachedEngineCoreClient(front_end.conns[0], "the server's engine",
+                                            self._on_result, self._on_dead)
         if len(self.engines) == 1:
             return EngineCoreClient(args, self._on_result, self._on_dead,
                                     EnginePlace(self.engines[0], data_parallel.size),
@@ -97,12 +112,13 @@ class AsyncLLM:
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
         return DataParallelCoreClient(args, data_parallel, self._on_result, self._on_dead,
-                                      default_start)
+                                      default_start, front_end.conns if front_end else None)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = True,
-                         default_start: str = "spawn", wait: bool = True) -> "AsyncLLM":
-        return cls(args, log_stats, default_start, wait)
+                         default_start: str = "spawn", wait: bool = True,
+                         front_end: FrontEndPlace | None = None) -> "AsyncLLM":
+        return cls(args, log_stats, default_start, wait, front_end)
 
     @property
     def errored(self) -> bool:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from multiprocessing.connection import Connection
 
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
@@ -129,14 +129,25 @@ class LoRAReply:
     error: str | None  # None: done
 
 
-class _Shutdown:
-    pass
+class Shutdown:
+    """The front-end is done: the core ends (or, shared by several, forgets that one)."""
 
 
-def run_engine_core(conn: Connection, args: EngineArgs,
+class CoreConnection(Protocol):
+    """What the step loop talks through: a Connection, or a FrontEndHub of several."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+
+
+def run_engine_core(conn: CoreConnection, args: EngineArgs,
                     place: EnginePlace = EnginePlace()) -> None:
     """Entry point of the core process: build the engine, then step while there is work.
-    `conn` is a pipe to the API server, or a socket to the head node's.
+    `conn` is a pipe to the API server, a socket to the head node's, or a FrontEndHub of
+    several API server processes' pipes.
 
     Ctrl-C reaches the whole process group; only the server acts on it (it drains, then
     stops this process through the pipe), so that it is not taken for an engine death.
@@ -170,7 +181,7 @@ def run_engine_core(conn: Connection, args: EngineArgs,
         pass
 
 
-def _step_loop(core, conn: Connection, engine: int) -> None:
+def _step_loop(core, conn: CoreConnection, engine: int) -> None:
     while True:
         if not core.has_unfinished_requests() and not _handle(core, conn, conn.recv()):
             return
@@ -187,7 +198,7 @@ def _step_loop(core, conn: Connection, engine: int) -> None:
             conn.send(StepResult([], core.make_stats(), engine))
 
 
-def _handle(core, conn: Connection, message: object) -> bool:
+def _handle(core, conn: CoreConnection, message: object) -> bool:
     if isinstance(message, AddRequest):
         core.add_request(message.request)
     elif isinstance(message, FinishRequests):
@@ -196,7 +207,7 @@ def _handle(core, conn: Connection, message: object) -> bool:
         conn.send(_kv_cache_report(core.scheduler))
     elif isinstance(message, (AddLoRA, RemoveLoRA)):
         conn.send(_lora_reply(core, message))
-    return not isinstance(message, _Shutdown)
+    return not isinstance(message, Shutdown)
 
 
 def _lora_reply(core, message: AddLoRA | RemoveLoRA) -> LoRAReply:
@@ -329,10 +340,47 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         if self._process.is_alive():
             try:
-                self._send(_Shutdown())
+                self._send(Shutdown())
             except (BrokenPipeError, OSError):
                 pass
             self._process.join(timeout=10)
             if self._process.is_alive():
                 self._process.kill()
         self._conn.close()
+
+
+class _ProcessElsewhere:
+    """The process of an engine core this one does not own (another node's, or the
+    server's parent's), as far as its client sees it: alive while its connection is open."""
+
+    exitcode = None
+
+    def __init__(self, client: EngineCoreClient) -> None:
+        self._closed = client.closed
+
+    def is_alive(self) -> bool:
+        return not self._closed.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._closed.wait(timeout)
+
+    def kill(self) -> None:
+        """Its owner ends it: closing the connection, as shutdown does next, tells it to."""
+
+
+class AttachedEngineCoreClient(EngineCoreClient):
+    """An engine core started by another process, through a connection to it: the same
+    messages as through a core's pipe. `where` names it in the start-up error."""
+
+    def __init__(self, conn: Connection, where: str, on_result: Callable[[StepResult], None],
+                 on_dead: Callable[[], None]) -> None:
+        self._attach(conn, on_result, on_dead)
+        self._process = _ProcessElsewhere(self)
+        self.where = where
+
+    def _reap(self) -> None:
+        """Nothing to wait for here: the process is its owner's."""
+
+    def _died_starting(self) -> str:
+        return (f"the engine core of {self.where} closed its connection during start-up; "
+                "see its log.")

@@ -29,11 +29,15 @@ class StatLogger(Protocol):
 
 class LoggingStatLogger:
     """Logs throughput and queue state every interval while the engine has had work; one
-    per engine core, each line headed by its rank as vLLM's are."""
+    per engine core, each line headed by its rank as vLLM's are. `engine_tokens`: count the
+    tokens the engine generated from its own record, not from this front end's requests
+    (which are only part of them when several API server processes share the engine)."""
 
-    def __init__(self, kv_label: str = "KV cache usage", engine: int = 0) -> None:
+    def __init__(self, kv_label: str = "KV cache usage", engine: int = 0,
+                 engine_tokens: bool = False) -> None:
         self.kv_label = kv_label
         self.engine = engine
+        self.engine_tokens = engine_tokens
         self.last: SchedulerStats | None = None
         self._logged: SchedulerStats | None = None
         self._hit_rate = 0.0
@@ -53,7 +57,10 @@ class LoggingStatLogger:
         if scheduler is not None:
             self.prompt_tokens += scheduler.num_prompt_tokens
             self.last = scheduler
-        self.generation_tokens += iteration.num_generation_tokens
+        if not self.engine_tokens:
+            self.generation_tokens += iteration.num_generation_tokens
+        elif scheduler is not None:
+            self.generation_tokens += scheduler.num_generation_tokens
 
     def log(self) -> None:
         now = time.monotonic()
@@ -130,6 +137,8 @@ class MetricFactory:
         """`engine_labels=False`: a family with only `extra_labels` (vLLM's info gauges)."""
         if name not in self._families:
             labels = ["model_name", "engine"] if engine_labels else []
+            if kind is Gauge:  # with several API server processes, one sets each gauge
+                options.setdefault("multiprocess_mode", "mostrecent")
             self._families[name] = kind(name, doc, [*labels, *extra_labels],
                                         registry=self.registry, **options)
         return self._families[name]
@@ -195,14 +204,17 @@ def _for_engine(make: MetricFactory, engine: int) -> tuple[Any, Any, Any]:
 class PrometheusStatLogger:
     """vLLM's metric names and types for one engine core, labelled `model_name` and
     `engine`. `factory`: the families already made for the other engines of this server;
-    without it, a new engine replaces the metrics of any previous one in the registry."""
+    without it, a new engine replaces the metrics of any previous one in the registry.
+    `engine_stats` False: only this front end's requests' figures (latencies, tokens,
+    finished requests), another API server process records the engine's own."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry = REGISTRY,
-                 engine: int = 0, factory: MetricFactory | None = None) -> None:
+                 engine: int = 0, factory: MetricFactory | None = None,
+                 engine_stats: bool = True) -> None:
         if factory is None:
             _unregister_vllm_metrics(registry)
             factory = MetricFactory(registry, model_name)
-        self._make, self.engine = factory, engine
+        self._make, self.engine, self.engine_stats = factory, engine, engine_stats
         gauge, counter, histogram = _for_engine(factory, engine)
         self._offload: _OffloadMetrics | None = None
         self._spec_decoding: SpecDecodingProm | None = None
@@ -242,17 +254,18 @@ class PrometheusStatLogger:
 
     @classmethod
     def for_engines(cls, model_name: str, engines: list[int],
-                    registry: CollectorRegistry = REGISTRY) -> list["PrometheusStatLogger"]:
+                    registry: CollectorRegistry = REGISTRY,
+                    engine_stats: bool = True) -> list["PrometheusStatLogger"]:
         """One per data parallel rank, sharing the families."""
-        first = cls(model_name, registry, engines[0])
-        return [first, *(cls(model_name, registry, engine, first._make)
+        first = cls(model_name, registry, engines[0], engine_stats=engine_stats)
+        return [first, *(cls(model_name, registry, engine, first._make, engine_stats)
                          for engine in engines[1:])]
 
     def record(self, scheduler: SchedulerStats | None, iteration: IterationStats,
                engine: int = 0) -> None:
         if engine != self.engine:
             return
-        if scheduler is not None:
+        if scheduler is not None and self.engine_stats:
             self.running.set(scheduler.num_running)
             self.waiting.set(scheduler.num_waiting)
             self.kv_usage.set(scheduler.kv_cache_usage)

@@ -15,11 +15,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.client_hub import FrontEndPlace
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 from pagellm.entrypoints.openai.errors import (ENGINE_DEAD_MESSAGE, OpenAIError,
                                                documented_errors, error_response,
@@ -64,6 +65,7 @@ class AppState:
     admission: Admission
     drain: Drain
     lora: LoRAAdapters | None = None  # with --enable-lora
+    metrics_registry: CollectorRegistry = REGISTRY  # every process's, with several front ends
 
 
 def _state(raw_request: Request) -> AppState:
@@ -132,9 +134,10 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-async def metrics() -> Response:
+async def metrics(raw_request: Request) -> Response:
     """Prometheus text with vLLM's `vllm:` metric names."""
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_state(raw_request).metrics_registry),
+                    media_type=CONTENT_TYPE_LATEST)
 
 
 async def kv_cache(raw_request: Request) -> JSONResponse:
@@ -272,15 +275,22 @@ class _Server(DrainingServer):
                                    self.settings.frontend))
 
 
-async def serve(settings: ServerSettings, sock: socket.socket, engine: AsyncLLM) -> int:
+async def serve(settings: ServerSettings, sock: socket.socket, engine: AsyncLLM,
+                front_end: FrontEndPlace | None = None) -> int:
     """Serve until SIGTERM (exit code 0, after the drain) or engine death (1). `engine` may
-    still be loading (launch.py); it is waited for here."""
+    still be loading (launch.py); it is waited for here. `front_end`: this is one of several
+    API server processes (api_servers.py)."""
     try:
         engine.wait_ready()
         app = build_app(engine, settings)
+        if front_end is not None:
+            from pagellm.entrypoints.openai.api_servers import adapt_app
+
+            adapt_app(app, front_end)
         if app.state.pagellm.lora is not None:
             await app.state.pagellm.lora.load_modules()
-        log_routes(app, settings)
+        if front_end is None or front_end.index == 0:
+            log_routes(app, settings)
         config = uvicorn.Config(app, host=settings.host, port=settings.port,
                                 log_level=settings.uvicorn_log_level,
                                 ssl_keyfile=settings.ssl_keyfile,

@@ -56,13 +56,22 @@ def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings.from_args(args)
     if settings.engine_args.headless:  # a secondary node: engine ranks, no API server
         raise SystemExit(run_headless_node(settings.engine_args))
-    sock = bind_socket(settings.host, settings.port)
-    try:
-        exit_code = asyncio.run(_serving(settings, sock))
-    finally:
-        sock.close()
+    if settings.engine_args.api_server_count > 1:
+        from pagellm.entrypoints.openai.api_servers import run_api_servers
+
+        exit_code = run_api_servers(settings)
+    else:
+        exit_code = _run_one_server(settings)
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def _run_one_server(settings: ServerSettings) -> int:
+    sock = bind_socket(settings.host, settings.port)
+    try:
+        return asyncio.run(_serving(settings, sock))
+    finally:
+        sock.close()
 
 
 def _serving(settings: ServerSettings, sock: socket.socket):

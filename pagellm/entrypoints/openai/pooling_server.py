@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from pagellm import __version__
 from pagellm.entrypoints.openai import api_server
@@ -34,6 +35,7 @@ class PoolingAppState:
     pooling: OpenAIServingPooling
     admission: Admission
     drain: Drain
+    metrics_registry: CollectorRegistry = REGISTRY
 
 
 def _pooling(raw_request: Request) -> OpenAIServingPooling:
