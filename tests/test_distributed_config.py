@@ -42,6 +42,9 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
     assert ParallelArgs().parallel_config().distributed_executor_backend == "uni"
     config = ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel_config()
     assert (config.world_size, config.distributed_executor_backend) == (4, "mp")
+    config = ParallelArgs(data_parallel_size=2, data_parallel_backend="ray",
+                          tensor_parallel_size=2).parallel_config()  # Ray places the ranks too
+    assert (config.distributed_executor_backend, config.data_parallel.backend) == ("ray", "ray")
     with pytest.raises(ValueError, match="'uni' runs one process; a world size of 2 needs"):
         ParallelArgs(tensor_parallel_size=2,
                      distributed_executor_backend="uni").parallel_config()
@@ -51,7 +54,6 @@ def test_executor_is_chosen_as_vllm_chooses() -> None:
     ({"data_parallel_size": 2, "tensor_parallel_size": 2,
       "distributed_executor_backend": "ray"}, "data parallelism combined with "
                                               "distributed_executor_backend 'ray'"),
-    ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray'"),
     ({"headless": True}, "--headless without --nnodes or data_parallel_size"),
     ({"nnodes": 2, "data_parallel_size": 2}, "data parallelism combined with --nnodes"),
     ({"api_server_count": 4, "data_parallel_size": 2, "data_parallel_size_local": 1},

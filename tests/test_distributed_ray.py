@@ -1,26 +1,128 @@
-"""Tensor parallelism with Ray placing the ranks: a Ray cluster of two nodes on this machine
-(a head and a second raylet, one CPU each, as `ray start --head` and `ray start --address`
-make them), the engine's two ranks on different nodes, and the same greedy tokens and
-logits as the single-process engine. The cluster lives in a child process
-(tests/ray_two_nodes.py), so that Ray's driver state never reaches the other tests."""
+"""Ray on a cluster of two nodes on this machine (a head and a second raylet, one CPU each, as
+`ray start --head` and `ray start --address` make them; tests/ray_cluster.py runs it in a
+process of its own, so that no Ray state reaches the pytest process), shared by the tests:
+
+- tensor parallelism with Ray placing the ranks: the engine's two ranks on different nodes,
+  the same greedy tokens and logits as the single-process engine (tests/ray_two_nodes.py);
+- `-dp 2 -tp 2 -dpb ray`: one engine on each node, each engine's two ranks on its own node,
+  the single-process engine's greedy tokens for concurrent clients, and an engine whose
+  actor dies is a 503 and a non-zero exit."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import openai
+import psutil
 import pytest
-from server_utils import cli_env
+from server_utils import RemoteServer, cli_env
+from test_data_parallel import _engine_samples
+
+from pagellm import LLM, SamplingParams
 
 pytest.importorskip("ray")
 TESTS = Path(__file__).parent
 
 
-def test_ray_spreads_the_ranks_over_both_nodes(tiny_llama_dir: Path) -> None:
-    env = cli_env()
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[tuple[str, psutil.Process]]:
+    """The cluster's address, and the process whose children its nodes are."""
+    helper = subprocess.Popen([sys.executable, str(TESTS / "ray_cluster.py")], env=cli_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = helper.stdout.readline().strip()  # type: ignore[union-attr]
+        assert address, "the Ray cluster did not start"
+        yield address, psutil.Process(helper.pid)
+    finally:
+        helper.stdin.close()  # type: ignore[union-attr]
+        helper.wait(timeout=120)
+
+
+def test_ray_spreads_the_ranks_over_both_nodes(tiny_llama_dir: Path,
+                                              ray_cluster: tuple[str, psutil.Process]) -> None:
+    env = {**cli_env(), "RAY_ADDRESS": ray_cluster[0]}
     env["PYTHONPATH"] = f"{TESTS}:{env.get('PYTHONPATH', '')}"
     run = subprocess.run([sys.executable, str(TESTS / "ray_two_nodes.py"), str(tiny_llama_dir)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "same tokens and logits; ranks on 2 nodes" in run.stdout
+
+
+def _engine_processes(cluster: psutil.Process) -> dict[str, psutil.Process]:
+    """The engine cores' actor processes and their ranks' (`ray::_RankActor`), by name."""
+    found: dict[str, psutil.Process] = {}
+    for process in cluster.children(recursive=True):
+        if process.name().startswith("EngineCore_DP"):
+            found[process.name()] = process
+    for rank_actor in cluster.children(recursive=True):
+        if "_RankActor" in " ".join(rank_actor.cmdline()):
+            engine = next(name for name, process in found.items()
+                          if process.ppid() == rank_actor.ppid())
+            found[engine + " rank 1"] = rank_actor
+    return found
+
+
+def test_ray_places_each_data_parallel_engine_and_its_ranks_on_a_node(
+        tiny_llama_dir: Path, ray_cluster: tuple[str, psutil.Process]) -> None:
+    prompts = [f"Request number {index} says" for index in range(8)]
+    single = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
+                 kv_cache_memory=1 << 24)
+    expected = [output.outputs[0].text for output in single.generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-tp", "2", "-dpb", "ray",
+                          env={"RAY_ADDRESS": ray_cluster[0],
+                               "PAGELLM_RAY_CPUS_PER_RANK": "0.5"}, startup_timeout=300)
+    try:
+        client = server.client()
+
+        def ask(prompt: str) -> str:
+            return client.completions.create(model=str(tiny_llama_dir), prompt=prompt,
+                                             max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, prompts)) == expected
+        served = _engine_samples(httpx.get(f"{server.url}/metrics", timeout=5).text,
+                                 "vllm:request_success_total")
+        assert set(served) == {"0", "1"} and sum(served.values()) == len(prompts)
+        engines = _engine_processes(ray_cluster[1])
+        raylets = {name: process.ppid() for name, process in engines.items()}
+        assert len(raylets) == 4, engines  # two engines, each with its rank 1
+        assert raylets["EngineCore_DP0"] != raylets["EngineCore_DP1"]  # one on each node
+        _check_an_engine_death_is_a_503(server, tiny_llama_dir, engines["EngineCore_DP1"])
+    finally:
+        server.stop()
+
+
+def _check_an_engine_death_is_a_503(server: RemoteServer, model: Path,
+                                    engine: psutil.Process) -> None:
+    errors: list[openai.APIStatusError] = []
+
+    def long_request() -> None:
+        try:
+            server.client().completions.create(model=str(model), prompt="Once upon",
+                                               max_tokens=1000, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        except openai.APIStatusError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=long_request) for _ in range(2)]  # one per engine
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while sum(_engine_samples(httpx.get(f"{server.url}/metrics", timeout=5).text,
+                              "vllm:num_requests_running").values()) < 2:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.1)
+    engine.kill()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [error.status_code for error in errors] == [503, 503]
+    assert server.process.wait(timeout=60) == 1

@@ -158,9 +158,15 @@ def test_an_api_server_only_head_waits_for_every_rank() -> None:
     ({"data_parallel_rank": 4}, "data_parallel_rank 4 must be below data_parallel_size 4"),
     ({"data_parallel_rank": 1, "data_parallel_size_local": 1}, "leave out -dpl, -dpr and "
                                                                "--headless"),
-    ({"data_parallel_backend": "ray"}, "data_parallel_backend 'ray' is not supported"),
+    ({"data_parallel_backend": "ray", "data_parallel_size_local": 2, "headless": True},
+     "data_parallel_backend 'ray' places every engine on the Ray cluster's nodes itself: "
+     "leave out -dpl, --headless."),
+    ({"data_parallel_backend": "ray", "data_parallel_rank": 1}, "leave out -dpn."),
+    ({"data_parallel_backend": "ray", "api_server_count": 2},
+     "api_server_count 2 with data_parallel_backend 'ray' is not supported"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
-     "data parallelism combined with distributed_executor_backend 'ray' is not supported"),
+     r"data parallelism combined with distributed_executor_backend 'ray' \(use "
+     r"data_parallel_backend 'ray'\) is not supported"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, "data parallelism combined with --nnodes"),
 ])
 def test_inconsistent_data_parallel_layouts_are_one_line(flags: dict, message: str) -> None:

@@ -120,6 +120,7 @@ class DataParallelConfig:
     address: str = DEFAULT_DP_ADDRESS
     rpc_port: int = DEFAULT_DP_RPC_PORT
     headless: bool = False
+    backend: str = "mp"  # ray: every rank is a Ray actor that joins the head (size_local 0)
 
     @property
     def local_ranks(self) -> range:
@@ -139,6 +140,9 @@ class DataParallelConfig:
         size, start = args.data_parallel_size, args.data_parallel_start_rank
         local = size - start if args.data_parallel_size_local is None else \
             args.data_parallel_size_local
+        if args.data_parallel_backend == "ray" and size > 1:
+            _check_ray_layout(args)
+            return cls(size, 0, 0, None, args.data_parallel_address, 0, False, "ray")
         if args.data_parallel_rank is not None:
             _check_external_rank(args)
         elif start + local > size:
@@ -151,6 +155,17 @@ class DataParallelConfig:
             raise ValueError("a --headless node with data_parallel_size_local 0 runs nothing.")
         return cls(size, local, start, args.data_parallel_rank, args.data_parallel_address,
                    args.data_parallel_rpc_port, args.headless and size > 1)
+
+
+def _check_ray_layout(args: ParallelArgs) -> None:
+    """-dpb ray: Ray places every engine, so the flags that place them by hand do not apply."""
+    by_hand = {"-dpl": args.data_parallel_size_local is not None,
+               "-dpr": args.data_parallel_start_rank > 0,
+               "-dpn": args.data_parallel_rank is not None, "--headless": args.headless}
+    given = [flag for flag, set_ in by_hand.items() if set_]
+    if given:
+        raise ValueError(f"data_parallel_backend 'ray' places every engine on the Ray "
+                         f"cluster's nodes itself: leave out {', '.join(given)}.")
 
 
 def _check_external_rank(args: ParallelArgs) -> None:
@@ -199,7 +214,7 @@ class ParallelConfig:
         data_parallel = DataParallelConfig.from_args(args)
         _check_api_servers(args, data_parallel)
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
-                   _executor_backend(args.distributed_executor_backend, world),
+                   _executor_backend(args, world),
                    args.nnodes, _node_rank(args), args.master_addr, args.master_port,
                    data_parallel)
 
@@ -239,17 +254,25 @@ def _check_api_servers(args: ParallelArgs, data_parallel: DataParallelConfig) ->
     if count > 1 and args.headless:
         raise ValueError(f"api_server_count {count} with --headless: a headless node runs no "
                          "API server.")
+    if count > 1 and data_parallel.backend == "ray":
+        raise ValueError(f"api_server_count {count} with data_parallel_backend 'ray' is not "
+                         "supported by pagellm yet; use -dpb mp, or one API server.")
     if count > 1 and data_parallel.remote_ranks:
         raise ValueError(f"api_server_count {count} with data parallel ranks on other nodes "
                          "(-dpl below -dp) is not supported by pagellm yet; run the engines "
                          "on the head node, or one API server.")
 
 
-def _executor_backend(requested: str | None, world_size: int) -> str:
-    """vLLM's automatic choice on one node: uni for one process, else mp."""
+def _executor_backend(args: ParallelArgs, world_size: int) -> str:
+    """vLLM's automatic choice: uni for one process, ray for the ranks of engines that Ray
+    places (-dpb ray), else mp."""
+    requested = args.distributed_executor_backend
     if requested is None:
         if world_size == 1:
             return "uni"
+        if args.data_parallel_size > 1 and args.data_parallel_backend == "ray":
+            logger.info("Using ray distributed inference because data_parallel_backend is ray")
+            return "ray"
         logger.info("Defaulting to use mp for distributed inference")
         return "mp"
     if requested == "uni" and world_size > 1:
@@ -260,15 +283,18 @@ def _executor_backend(requested: str | None, world_size: int) -> str:
 
 def _refuse_unbuilt(args: ParallelArgs) -> None:
     """Flags whose feature is not built here yet: a clear error at start."""
+    ray_data_parallel = args.data_parallel_size > 1 and args.data_parallel_backend == "ray"
     unbuilt = {
         "distributed_executor_backend 'external_launcher'":
             args.distributed_executor_backend == "external_launcher",
-        "data parallelism combined with distributed_executor_backend 'ray'":
-            args.data_parallel_size > 1 and args.distributed_executor_backend == "ray",
+        "data parallelism combined with distributed_executor_backend 'ray' (use "
+        "data_parallel_backend 'ray')": args.data_parallel_size > 1
+            and args.distributed_executor_backend == "ray" and not ray_data_parallel,
+        "VLLM_CPU_OMP_THREADS_BIND with data_parallel_backend 'ray' (each node's engines "
+        "split its cores)": ray_data_parallel and _threads_bound(),
         "VLLM_CPU_OMP_THREADS_BIND with data parallelism and tensor or pipeline parallelism "
         "together": args.data_parallel_size > 1 and _threads_bound()
             and args.tensor_parallel_size * args.pipeline_parallel_size > 1,
-        "data_parallel_backend 'ray'": args.data_parallel_backend == "ray",
         "--headless without --nnodes or data_parallel_size": args.headless and args.nnodes == 1
             and args.data_parallel_size == 1,
         "data parallelism combined with --nnodes (run data parallel nodes with -dpl, -dpr "
@@ -278,7 +304,7 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
     if refused:
         raise ValueError(f"{refused[0]} is not supported by pagellm yet; tensor and pipeline "
                          "parallelism run with the mp or ray executor, data parallelism as "
-                         "engine cores of one process each (mp backend).")
+                         "engine cores of one process or Ray actor each.")
 
 
 def _threads_bound() -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from pagellm.core.prefix_index import PrefixIndex, block_hashes
 from pagellm.core.sched_output import SchedulerStats
@@ -29,6 +30,9 @@ from pagellm.engine.core_client import (AddLoRA, AttachedEngineCoreClient, CoreR
                                         RemoveLoRA, StepResult)
 from pagellm.logger import init_logger
 from pagellm.request import Request, RequestStatus, child_request_id
+
+if TYPE_CHECKING:
+    from pagellm.distributed.ray_data_parallel import RayEngineCores
 
 logger = init_logger(__name__)
 WAITING_WEIGHT = 4  # vLLM's: a queued request counts as four running ones
@@ -78,6 +82,7 @@ class DataParallelCoreClient:
         self._on_result, self._on_dead = on_result, on_dead
         self._config, self._block_size = config, args.block_size
         self._doorman: Doorman | None = None
+        self._ray: RayEngineCores | None = None
         local = config.local_ranks
         if attached is None:
             self.clients = [EngineCoreClient(args, self._observe, on_dead,
@@ -88,6 +93,10 @@ class DataParallelCoreClient:
             self.clients = [AttachedEngineCoreClient(conn, f"data parallel rank {rank}",
                                                      self._observe, on_dead)
                             for rank, conn in zip(local, attached)]
+        if config.backend == "ray":  # Ray's actors start their engines as these do
+            from pagellm.distributed import ray_data_parallel
+
+            self._ray = ray_data_parallel.RayEngineCores(args, config)
         self._owner: dict[str, int] = {}  # request id (each of its n sequences) -> engine
 
     def wait_ready(self) -> CoreReady:
@@ -113,15 +122,18 @@ class DataParallelCoreClient:
 
     def _join_remote(self, config: DataParallelConfig,
                      on_dead: Callable[[], None]) -> list[EngineCoreClient]:
-        """The other nodes' engines, by rank, once all have joined."""
-        from pagellm.distributed.dp_nodes import join_remote_engines, remote_engine_client
+        """The other nodes' engines (-dpb ray: Ray's actors), by rank, once all joined."""
+        from pagellm.distributed.dp_nodes import join_remote_engines, listen, remote_engine_client
 
-        def check_local() -> None:
+        def check_started() -> None:
             dead = [client for client in self.clients if not client.alive]
             if dead:
                 raise RuntimeError(dead[0]._died_starting())
+            if self._ray is not None:
+                self._ray.check()
 
-        roster, self._doorman = join_remote_engines(config, check_local)
+        head = self._ray.head if self._ray is not None else listen(config)
+        roster, self._doorman = join_remote_engines(config, check_started, head)
         return [remote_engine_client(roster.conns[rank], rank, roster.holders[rank],
                                      self._observe, on_dead)
                 for rank in config.remote_ranks]
@@ -202,6 +214,8 @@ class DataParallelCoreClient:
             self._doorman.stop()
         for client in self.clients:
             client.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
 
 
 def _check_same_model(clients: list[EngineCoreClient]) -> None:

@@ -142,23 +142,39 @@ class EngineRoster:
         self.conns[rank] = conn
 
 
-def join_remote_engines(config: DataParallelConfig,
-                        check: Callable[[], None]) -> tuple[EngineRoster, Doorman]:
-    """Listen at -dpa:-dpp until every remote rank joined (`check` raises if the head's own
+@dataclass
+class HeadSocket:
+    """Where the head waits for the remote engines, and the key they must hold."""
+
+    server: socket.socket
+    authkey: bytes
+
+    @property
+    def address(self) -> str:
+        return "%s:%d" % self.server.getsockname()[:2]
+
+
+def listen(config: DataParallelConfig) -> HeadSocket:
+    """-dpa:-dpp, with the key every node derives (PAGELLM_DIST_AUTHKEY, else from -dpp)."""
+    return HeadSocket(socket.create_server((config.address, config.rpc_port)),
+                      node_authkey(config.rpc_port))
+
+
+def join_remote_engines(config: DataParallelConfig, check: Callable[[], None],
+                        head: HeadSocket) -> tuple[EngineRoster, Doorman]:
+    """Wait at `head` until every remote rank joined (`check` raises if the head's own
     engines died meanwhile); then late nodes still hear why they are not taken."""
-    authkey = node_authkey(config.rpc_port)
-    server = socket.create_server((config.address, config.rpc_port))
     roster = EngineRoster(config)
-    logger.info("Waiting at %s:%d for data parallel %s of the other nodes", config.address,
-                config.rpc_port, _ranks(config.remote_ranks))
+    logger.info("Waiting at %s for data parallel %s to join", head.address,
+                _ranks(config.remote_ranks))
     try:
-        _accept(server, authkey, roster, check)
+        _accept(head.server, head.authkey, roster, check)
     except BaseException:  # the engines that joined hear that the head is gone
-        server.close()
+        head.server.close()
         for conn in roster.conns.values():
             conn.close()
         raise
-    return roster, Doorman(server, roster, authkey, EngineClaim)
+    return roster, Doorman(head.server, roster, head.authkey, EngineClaim)
 
 
 def _accept(server: socket.socket, authkey: bytes, roster: EngineRoster,
@@ -222,10 +238,19 @@ def _remote_engine(address: str, authkey: bytes, claim: EngineClaim, args: Engin
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its node stops it with SIGTERM
+    sys.exit(serve_head(address, authkey, claim, args, place))
+
+
+def serve_head(address: str, authkey: bytes, claim: EngineClaim, args: EngineArgs,
+               place: EnginePlace) -> int:
+    """Join the head and run its engine core until the head stops it (0), or 1 if it was
+    not admitted (a secondary node's process, or a Ray actor's method)."""
     conn = _join_head(address, authkey, claim)
     if conn is None:
-        sys.exit(1)
-    run_engine_core(conn, args, place)
+        return 1
+    with conn:
+        run_engine_core(conn, args, place)
+    return 0
 
 
 def _join_head(address: str, authkey: bytes, claim: EngineClaim) -> Connection | None:

@@ -25,13 +25,28 @@ logger = init_logger(__name__)
 CPUS_PER_RANK_ENV = "PAGELLM_RAY_CPUS_PER_RANK"
 
 
-def _import_ray():
+def connect_ray(what: str = "distributed_executor_backend 'ray'"):
+    """The `ray` module, connected to the cluster (`RAY_ADDRESS`, else the one `ray start`
+    made on this machine, else a new local one); inside an actor, to the actor's."""
     try:
         import ray
     except ImportError:
-        raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
-                         "'ray>=2.40'.") from None
+        raise ValueError(f"{what} needs Ray: pip install 'ray>=2.40'.") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                 log_to_driver=True)
     return ray
+
+
+def cpus_per_rank() -> float:
+    return float(os.environ.get(CPUS_PER_RANK_ENV, "1"))
+
+
+def forwarded_env(leave_out: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's pagellm, vLLM and gloo settings, for an actor on another node to run
+    with (Ray actors do not inherit the driver's environment)."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(("PAGELLM_", "VLLM_", "GLOO_")) and name not in leave_out}
 
 
 def _run_worker(env: dict[str, str]) -> int:
@@ -72,20 +87,23 @@ class RayWorker:
 
 
 class RayExecutor(MultiprocExecutor):
+    """Rank r runs in bundle r of the placement group: the one this engine core's actor was
+    placed in (-dpb ray: one group per data parallel rank), else one made here."""
+
     def __init__(self, parallel: ParallelConfig, device) -> None:
-        self.ray = _import_ray()
-        if not self.ray.is_initialized():
-            self.ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                          log_to_driver=True)
+        self.ray = connect_ray()
         super().__init__(parallel, device)
-        cpus = float(os.environ.get(CPUS_PER_RANK_ENV, "1"))
-        driver_node = f"node:{self.ray.util.get_node_ip_address()}"
-        bundles = [{"CPU": cpus, driver_node: 0.001}] + [
-            {"CPU": cpus} for _ in range(self.info.world_size - 1)]
-        self.placement = self.ray.util.placement_group(bundles, strategy="PACK")
-        self.ray.get(self.placement.ready(), timeout=60)
-        logger.info("Ray placement group of %d bundles of %g CPU (rank 0 on this node)",
-                    len(bundles), cpus)
+        self.placement = self.ray.util.get_current_placement_group()
+        self._own_placement = self.placement is None
+        if self._own_placement:
+            cpus = cpus_per_rank()
+            driver_node = f"node:{self.ray.util.get_node_ip_address()}"
+            bundles = [{"CPU": cpus, driver_node: 0.001}] + [
+                {"CPU": cpus} for _ in range(self.info.world_size - 1)]
+            self.placement = self.ray.util.placement_group(bundles, strategy="PACK")
+            self.ray.get(self.placement.ready(), timeout=60)
+            logger.info("Ray placement group of %d bundles of %g CPU (rank 0 on this node)",
+                        len(bundles), cpus)
 
     def driver_host(self) -> str:
         return rendezvous_host()
@@ -96,14 +114,13 @@ class RayExecutor(MultiprocExecutor):
         strategy = PlacementGroupSchedulingStrategy(self.placement,
                                                     placement_group_bundle_index=rank)
         actor_class = self.ray.remote(num_cpus=0, scheduling_strategy=strategy)(_RankActor)
-        passed = {name: value for name, value in os.environ.items()
-                  if name.startswith(("PAGELLM_", "VLLM_", "GLOO_"))}
         actor = actor_class.remote()
-        return RayWorker(self.ray, actor, actor.run.remote({**passed, **env}))
+        return RayWorker(self.ray, actor, actor.run.remote({**forwarded_env(), **env}))
 
     def shutdown(self) -> None:
         super().shutdown()
-        self.ray.util.remove_placement_group(self.placement)
+        if self._own_placement:
+            self.ray.util.remove_placement_group(self.placement)
 
 
 class _RankActor:
