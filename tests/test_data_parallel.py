@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from server_utils import RemoteServer
 
@@ -116,5 +117,26 @@ def test_each_engine_drives_its_own_tensor_parallel_ranks(tiny_llama_dir: Path) 
         assert set(served) == {"0", "1"} and sum(served.values()) == len(prompts)
         assert server.output().count("Starting 1 worker processes for tensor parallel size "
                                      "2") == 2
+    finally:
+        server.stop()
+
+
+def test_bound_threads_pin_each_engines_ranks_to_their_sets(tiny_llama_dir: Path) -> None:
+    """-dp 2 -tp 2 with VLLM_CPU_OMP_THREADS_BIND="0|1|1|0": engine 0's ranks take the first
+    two sets, engine 1's the next two; each engine core process holds its rank 0's cores,
+    its worker its rank 1's."""
+    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-tp", "2",
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|1|0"})
+    try:
+        answer = server.client().completions.create(model=str(tiny_llama_dir), prompt="Hello",
+                                                    max_tokens=2)
+        assert answer.choices[0].finish_reason == "length"
+        cores = {}
+        for engine in psutil.Process(server.process.pid).children():
+            workers = engine.children()
+            assert [" ".join(worker.cmdline()).count("pagellm.distributed.worker")
+                    for worker in workers] == [1]
+            cores[engine.name()] = (engine.cpu_affinity(), workers[0].cpu_affinity())
+        assert cores == {"EngineCore_DP0": ([0], [1]), "EngineCore_DP1": ([1], [0])}
     finally:
         server.stop()

@@ -17,7 +17,7 @@ import pytest
 from server_utils import TINY_SERVER_ARGS, RemoteServer, cli_env, free_port
 from test_data_parallel import _engine_samples
 
-from pagellm.distributed.config import ParallelArgs
+from pagellm.distributed.config import ParallelArgs, bound_cores
 from pagellm.distributed.dp_nodes import EngineClaim, EngineRoster
 from pagellm.distributed.roster import NodeRefused
 
@@ -174,10 +174,27 @@ def test_inconsistent_data_parallel_layouts_are_one_line(flags: dict, message: s
         ParallelArgs(data_parallel_size=4, **flags).parallel_config()
 
 
-def test_bound_threads_with_data_and_tensor_parallelism_are_refused(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("engine, rank, cores", [
+    (0, 0, [0]), (0, 1, [1, 2]), (1, 0, [3, 5]), (1, 1, [6, 7])])
+def test_bound_threads_give_engine_0_its_ranks_first(
+        monkeypatch: pytest.MonkeyPatch, engine: int, rank: int, cores: list[int]) -> None:
+    """-dp 2 -tp 2: four core sets, engine 0's two ranks, then engine 1's (vLLM's order)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1-2|3,5|6-7")
+    assert bound_cores(rank, 2, engine, 2) == cores
+    assert ParallelArgs(data_parallel_size=2, tensor_parallel_size=2).parallel_config()
+
+
+def test_bound_threads_of_another_count_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND with data parallelism and "
-                                         "tensor or pipeline parallelism together"):
+    with pytest.raises(ValueError) as refused:
         ParallelArgs(data_parallel_size=2, tensor_parallel_size=2).parallel_config()
-    assert ParallelArgs(data_parallel_size=2).parallel_config().data_parallel.size == 2
+    assert str(refused.value) == ("VLLM_CPU_OMP_THREADS_BIND=0|1 lists 2 core sets for 2 data "
+                                  "parallel engines x 2 ranks; separate one set per rank "
+                                  "with '|', engine 0's ranks first.")
+    # a head serving the API only pins nothing; a node's sets are for the engines it runs
+    assert ParallelArgs(data_parallel_size=2, tensor_parallel_size=2,
+                        data_parallel_size_local=0).parallel_config()
+    assert ParallelArgs(data_parallel_size=4, tensor_parallel_size=2, data_parallel_rank=3
+                        ).parallel_config().data_parallel.rank == 3
+    with pytest.raises(ValueError, match="with data_parallel_backend 'ray' .* is not supported"):
+        ParallelArgs(data_parallel_size=2, data_parallel_backend="ray").parallel_config()

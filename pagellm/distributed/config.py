@@ -213,6 +213,9 @@ class ParallelConfig:
         _check_nodes(args, world)
         data_parallel = DataParallelConfig.from_args(args)
         _check_api_servers(args, data_parallel)
+        engines = len(data_parallel.local_ranks) if data_parallel.size > 1 else 1
+        if engines:  # every core set this node's engines pin to is there, at start
+            bound_cores(0, world // args.nnodes, 0, engines)
         return cls(args.tensor_parallel_size, args.pipeline_parallel_size,
                    _executor_backend(args, world),
                    args.nnodes, _node_rank(args), args.master_addr, args.master_port,
@@ -292,9 +295,6 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
             and args.distributed_executor_backend == "ray" and not ray_data_parallel,
         "VLLM_CPU_OMP_THREADS_BIND with data_parallel_backend 'ray' (each node's engines "
         "split its cores)": ray_data_parallel and _threads_bound(),
-        "VLLM_CPU_OMP_THREADS_BIND with data parallelism and tensor or pipeline parallelism "
-        "together": args.data_parallel_size > 1 and _threads_bound()
-            and args.tensor_parallel_size * args.pipeline_parallel_size > 1,
         "--headless without --nnodes or data_parallel_size": args.headless and args.nnodes == 1
             and args.data_parallel_size == 1,
         "data parallelism combined with --nnodes (run data parallel nodes with -dpl, -dpr "
@@ -310,6 +310,35 @@ def _refuse_unbuilt(args: ParallelArgs) -> None:
 def _threads_bound() -> bool:
     return any(os.environ.get(name, "auto") not in ("", "auto", "all")
                for name in THREADS_BIND_ENV_VARS)
+
+
+def bound_cores(rank: int, ranks: int, engine: int = 0, engines: int = 1) -> list[int] | None:
+    """The cores VLLM_CPU_OMP_THREADS_BIND gives rank `rank` of the `ranks` a node holds of
+    engine `engine` (of the `engines` data parallel engines this node runs), or None if it
+    is not set. It lists `engines` x `ranks` core sets separated by '|', engine 0's ranks
+    first, then engine 1's: vLLM's CPU worker takes the sets of local data parallel rank i
+    at i x world size. A wrong count is a ValueError of one line."""
+    for name in THREADS_BIND_ENV_VARS:
+        text = os.environ.get(name)
+        if not text or text in ("auto", "all"):
+            continue
+        sets = text.split("|")
+        if len(sets) != engines * ranks:
+            layout = (f"{engines} data parallel engines x {ranks} ranks" if engines > 1
+                      else f"{ranks} ranks")
+            raise ValueError(f"{name}={text} lists {len(sets)} core sets for {layout}; "
+                             "separate one set per rank with '|'"
+                             + (", engine 0's ranks first." if engines > 1 else "."))
+        return _parse_cores(sets[engine * ranks + rank])
+    return None
+
+
+def _parse_cores(text: str) -> list[int]:
+    cores: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
 
 
 def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:

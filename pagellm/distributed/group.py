@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagellm.distributed.config import THREADS_BIND_ENV_VARS
+from pagellm.distributed.config import bound_cores
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
 HOST_IP_ENV_VARS = ("PAGELLM_HOST_IP", "VLLM_HOST_IP")
+ENGINE_SLOT_ENV = "PAGELLM_DP_ENGINE_SLOT"  # "index/count" of a rank's engine on its node
 TIMEOUT_ENV_VAR = "PAGELLM_DIST_TIMEOUT"  # seconds a rank may take to join and to preflight
 DEFAULT_JOIN_TIMEOUT = 20.0
 
@@ -202,34 +203,37 @@ def _first_line(error: BaseException) -> str:
 
 
 def pin_threads(rank: int, world_size: int) -> list[int]:
-    """Give this rank its own cores (VLLM_CPU_OMP_THREADS_BIND's `0-1|2-3` if set, else an
-    even split of the cores this process may use) and one torch thread per core."""
-    cores = _bound_cores(rank, world_size)
-    if cores is None:
-        available = sorted(os.sched_getaffinity(0))
-        share = max(1, len(available) // world_size)
-        cores = available[rank * share:(rank + 1) * share] or [available[rank % len(available)]]
+    """Give this rank its own cores (its set of VLLM_CPU_OMP_THREADS_BIND's `0-1|2-3` if set,
+    else an even split of the cores this process may use: its engine's share) and one torch
+    thread per core."""
+    engine, engines = engine_slot()
+    cores = bound_cores(rank, world_size, engine, engines) or _share(rank, world_size)
+    return _pin(cores)
+
+
+def pin_engine(index: int, count: int, world_size: int) -> list[int]:
+    """A data parallel engine core process, the `index`-th of the `count` its node runs:
+    pin it to its ranks' core sets (or to an even share of the node's cores), and tell its
+    ranks' processes which engine's sets are theirs."""
+    os.environ[ENGINE_SLOT_ENV] = f"{index}/{count}"
+    bound = [bound_cores(rank, world_size, index, count) or [] for rank in range(world_size)]
+    return _pin(sorted({core for cores in bound for core in cores}) or _share(index, count))
+
+
+def engine_slot() -> tuple[int, int]:
+    """Which of its node's data parallel engines this process belongs to, and how many there
+    are: (0, 1) without data parallelism."""
+    index, _, count = os.environ.get(ENGINE_SLOT_ENV, "0/1").partition("/")
+    return int(index), int(count)
+
+
+def _share(index: int, count: int) -> list[int]:
+    available = sorted(os.sched_getaffinity(0))
+    share = max(1, len(available) // count)
+    return available[index * share:(index + 1) * share] or [available[index % len(available)]]
+
+
+def _pin(cores: list[int]) -> list[int]:
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
-    return cores
-
-
-def _bound_cores(rank: int, world_size: int) -> list[int] | None:
-    for name in THREADS_BIND_ENV_VARS:
-        text = os.environ.get(name)
-        if not text or text in ("auto", "all"):
-            continue
-        lists = text.split("|")
-        if len(lists) != world_size:
-            raise ValueError(f"{name}={text} lists {len(lists)} core sets for {world_size} "
-                             "ranks; separate one set per rank with '|'.")
-        return _parse_cores(lists[rank])
-    return None
-
-
-def _parse_cores(text: str) -> list[int]:
-    cores: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cores.extend(range(int(low), int(high or low) + 1))
     return cores

@@ -160,10 +160,11 @@ def run_engine_core(conn: CoreConnection, args: EngineArgs,
     name_this_process(place.name)
 
     if place.size > 1:
-        from pagellm.distributed.group import pin_threads
+        from pagellm.distributed.group import pin_engine
 
         logger.info("Data parallel rank %d of %d on cores %s", place.rank, place.size,
-                    pin_threads(place.local_index, place.local_count))
+                    pin_engine(place.local_index, place.local_count,
+                               args.tensor_parallel_size * args.pipeline_parallel_size))
 
     try:
         core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
