@@ -89,7 +89,7 @@ def _claim(node_id: str, index: int, node_rank: int | None = None,
 
 def _join(roster: NodeRoster, claim: RankClaim) -> int:
     rank = roster.admit(claim)
-    roster.by_rank[rank] = None  # type: ignore[assignment]  # (no socket here)
+    roster.conns[rank] = None  # type: ignore[assignment]  # (no socket here)
     return rank
 
 

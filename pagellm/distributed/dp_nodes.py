@@ -18,25 +18,22 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
-from typing import NoReturn
 
 from pagellm.distributed.config import DataParallelConfig
 from pagellm.distributed.nodes import (NODES_WAIT_ENV, connect_to, new_node_id, node_authkey,
                                        supervise)
-from pagellm.distributed.roster import (Doorman, NodeRefused, Refused, send_and_close,
-                                        handshake)
+from pagellm.distributed.roster import (Doorman, JoinRoster, JoinWait, Refused,
+                                        accept_until_complete)
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import (AttachedEngineCoreClient, EnginePlace, StepResult,
                                         run_engine_core, start_method)
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
-_REPORT_SECONDS = 5.0
 _PORT_FLAG = "-dpp"
 
 
@@ -65,33 +62,27 @@ def _ranks(ranks: range) -> str:
     return f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
 
 
-class EngineRoster:
+class EngineRoster(JoinRoster):
     """The remote engines that joined the head, by rank, and which node holds which rank."""
 
+    claim_type = EngineClaim
+    port_flag = _PORT_FLAG
+    rank_name = "data parallel rank"
+
     def __init__(self, config: DataParallelConfig) -> None:
-        self.size, self.expected = config.size, config.remote_ranks
+        super().__init__(len(config.remote_ranks))
+        self.size, self.expected_ranks = config.size, config.remote_ranks
         self.head_ranks = config.local_ranks
-        self.conns: dict[int, Connection] = {}
         self.holders: dict[int, str] = {}  # rank -> node id
-        self._refused: dict[str, str] = {}  # node id -> why
 
-    @property
-    def complete(self) -> bool:
-        return len(self.conns) == len(self.expected)
+    def _other_sizes(self, claim: EngineClaim) -> tuple[str, str, str] | None:
+        if claim.size == self.size:
+            return None
+        return f"-dp {claim.size}", f"-dp {self.size}", "-dp"
 
-    def admit(self, claim: EngineClaim) -> int:
-        """The claim's rank; NodeRefused if its node does not fit."""
-        who = f"node {claim.node_id}"
-        if claim.node_id in self._refused:
-            raise NodeRefused(self._refused[claim.node_id])
-        if claim.size != self.size:
-            self._refuse(claim.node_id, f"{who} was started with -dp {claim.size}, the head "
-                                        f"with -dp {self.size}: start every node with the "
-                                        "same -dp")
+    def _rank(self, claim: EngineClaim, who: str) -> int:
         if self.holders.get(claim.rank) != claim.node_id:
             self._place(claim, who)
-        if claim.rank in self.conns:
-            raise NodeRefused(f"data parallel rank {claim.rank} of {who} connected twice")
         return claim.rank
 
     def _place(self, claim: EngineClaim, who: str) -> None:
@@ -102,7 +93,7 @@ class EngineRoster:
             self._refuse(claim.node_id, f"{who} is refused: {flags} (data parallel "
                                         f"{_ranks(ranks)}) overlaps the head's own "
                                         f"{_ranks(self.head_ranks)}; the head waits for "
-                                        f"{_ranks(self.expected)}")
+                                        f"{_ranks(self.expected_ranks)}")
         held = [rank for rank in ranks if rank in self.holders]
         if held:
             self._refuse(claim.node_id, f"{who} is refused: data parallel rank {held[0]} is "
@@ -112,34 +103,20 @@ class EngineRoster:
             self.holders[rank] = claim.node_id
         logger.info("Node %s joined: data parallel %s", claim.node_id, _ranks(ranks))
 
-    def _refuse(self, node_id: str, message: str) -> NoReturn:
-        self._refused[node_id] = message
-        logger.warning("%s", message)
-        raise NodeRefused(message)
-
     def progress(self) -> str:
         joined = len(self.head_ranks) + len(self.conns)
-        missing = [str(rank) for rank in self.expected if rank not in self.conns]
+        missing = [str(rank) for rank in self.expected_ranks if rank not in self.conns]
         return (f"{joined} of {self.size} data parallel engines joined; missing rank(s) "
                 + ", ".join(missing))
 
-    def admit_connection(self, sock: socket.socket, authkey: bytes) -> None:
-        """One connection to the head's socket: admitted under its rank, or refused."""
-        joined = handshake(sock, authkey, EngineClaim, _PORT_FLAG)
-        if joined is None:
-            return
-        conn, claim = joined
-        try:
-            rank = self.admit(claim)
-        except NodeRefused as refusal:
-            send_and_close(conn, Refused(str(refusal)))
-            return
+    def _welcome(self, conn: Connection, rank: int) -> bool:
+        """An engine waits to hear that it was admitted before it loads its model."""
         try:
             conn.send(Admitted(rank))
         except OSError:  # gone already: it may come back
             conn.close()
-            return
-        self.conns[rank] = conn
+            return False
+        return True
 
 
 @dataclass
@@ -167,39 +144,19 @@ def join_remote_engines(config: DataParallelConfig, check: Callable[[], None],
     roster = EngineRoster(config)
     logger.info("Waiting at %s for data parallel %s to join", head.address,
                 _ranks(config.remote_ranks))
+    wait = float(os.environ.get(NODES_WAIT_ENV, "300"))
     try:
-        _accept(head.server, head.authkey, roster, check)
+        accept_until_complete(head.server, head.authkey, roster, check, JoinWait(
+            wait, lambda progress: f"the other nodes' engines did not join the head at "
+                                   f"{head.address} within {wait:g} s ({NODES_WAIT_ENV}): "
+                                   f"{progress}.", "the data parallel engines"))
     except BaseException:  # the engines that joined hear that the head is gone
         head.server.close()
         for conn in roster.conns.values():
             conn.close()
         raise
-    return roster, Doorman(head.server, roster, head.authkey, EngineClaim)
-
-
-def _accept(server: socket.socket, authkey: bytes, roster: EngineRoster,
-            check: Callable[[], None]) -> None:
-    wait = float(os.environ.get(NODES_WAIT_ENV, "300"))
-    start = time.monotonic()
-    report = start + _REPORT_SECONDS
-    server.settimeout(1.0)
-    while not roster.complete:
-        check()
-        now = time.monotonic()
-        if now > start + wait:
-            address = "%s:%d" % server.getsockname()[:2]
-            raise RuntimeError(f"the other nodes' engines did not join the head at {address} "
-                               f"within {wait:g} s ({NODES_WAIT_ENV}): {roster.progress()}.")
-        if now > report:
-            logger.info("Waiting for the data parallel engines (%.0f s): %s", now - start,
-                        roster.progress())
-            report += _REPORT_SECONDS
-        try:
-            sock, _ = server.accept()
-        except TimeoutError:
-            continue
-        roster.admit_connection(sock, authkey)
     logger.info("All %d data parallel engines joined", roster.size)
+    return roster, Doorman(head.server, roster, head.authkey)
 
 
 def remote_engine_client(conn: Connection, rank: int, node_id: str,

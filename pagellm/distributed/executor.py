@@ -32,7 +32,8 @@ from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_
 from pagellm.distributed.model import ParallelCausalLM
 from pagellm.distributed.nodes import (NODES_WAIT_ENV, node_authkey, start_worker_process,
                                        worker_env)
-from pagellm.distributed.roster import HEAD_NODE_ID, Doorman, NodeRoster, RankClaim
+from pagellm.distributed.roster import (HEAD_NODE_ID, Doorman, JoinWait, NodeRoster, RankClaim,
+                                        accept_until_complete)
 from pagellm.distributed.sharding import ShardLayout
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
@@ -42,7 +43,6 @@ from pagellm.worker.step_chunk import StepChunk
 
 logger = init_logger(__name__)
 _WATCH_SECONDS = 0.5
-_REPORT_SECONDS = 5.0  # how often the head says which nodes it still waits for
 
 
 class WorkerProcess(Protocol):
@@ -166,14 +166,14 @@ class MultiprocExecutor:
             self._accept(server, authkey, roster)
         except BaseException:  # the ranks that joined hear that the driver is gone
             server.close()
-            for conn in roster.by_rank.values():
+            for conn in roster.conns.values():
                 conn.close()
             raise
         if parallel.nnodes > 1:  # late or extra nodes still hear why they are not taken
             self.doormen.append(Doorman(server, roster, authkey))
         else:
             server.close()
-        self.conns.extend(roster.by_rank[rank] for rank in sorted(roster.by_rank))
+        self.conns.extend(roster.conns[rank] for rank in sorted(roster.conns))
         for rank, conn in enumerate(self.conns, start=1):
             info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method,
                             self.info.nnodes)
@@ -190,31 +190,26 @@ class MultiprocExecutor:
     def _accept(self, server: socket.socket, authkey: bytes, roster: NodeRoster) -> None:
         """Each worker connects, passes the challenge and says who it is; on several nodes,
         a line every few seconds says which nodes are still missing."""
-        # a cold import is slow; other nodes may start after this one
         single = self.info.nnodes == 1
+        # a cold import is slow; other nodes may start after this one
         wait = (max(60.0, 3 * join_timeout()) if single else
                 float(os.environ.get(NODES_WAIT_ENV, max(300.0, 15 * join_timeout()))))
-        start = time.monotonic()
-        report = start + _REPORT_SECONDS
-        server.settimeout(1.0)
-        while not roster.complete:
+        master = f"{self.parallel.master_addr}:{self.parallel.master_port}"
+
+        def check() -> None:
             dead = [p.pid for p in self.processes if p.poll() is not None]
-            if dead or (single and time.monotonic() > start + wait):
-                raise RuntimeError(f"worker process(es) {dead or 'not connecting'} did not "
-                                   "start; see their log above.")
-            if time.monotonic() > start + wait:
-                raise RuntimeError(f"the other nodes did not join the driver at "
-                                   f"{self.parallel.master_addr}:{self.parallel.master_port} "
-                                   f"within {wait:g} s ({NODES_WAIT_ENV}): {roster.progress()}.")
-            if not single and time.monotonic() > report:
-                logger.info("Waiting for the nodes (%.0f s): %s", time.monotonic() - start,
-                            roster.progress())
-                report += _REPORT_SECONDS
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                continue
-            roster.admit_connection(sock, authkey)
+            if dead:
+                raise RuntimeError(f"worker process(es) {dead} did not start; see their log "
+                                   "above.")
+
+        def timed_out(progress: str) -> str:
+            if single:
+                return "worker process(es) not connecting did not start; see their log above."
+            return (f"the other nodes did not join the driver at {master} within {wait:g} s "
+                    f"({NODES_WAIT_ENV}): {progress}.")
+
+        accept_until_complete(server, authkey, roster, check,
+                              JoinWait(wait, timed_out, None if single else "the nodes"))
         if not single:
             logger.info("All %d nodes joined: %d ranks", self.info.nnodes, self.info.world_size)
 

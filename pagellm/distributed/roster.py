@@ -12,6 +12,9 @@ admitted worker with its global rank (node rank x ranks per node + local index) 
 with other sizes, a second node claiming a node rank already held, or a node beyond
 `--nnodes`. A refused node does not stop the head, which goes on waiting for the nodes it
 lacks and says every few seconds which ones those are.
+
+`JoinRoster` and `accept_until_complete` are shared with the head of data parallelism across
+nodes (pagellm.distributed.dp_nodes), whose remote engines join the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import os
 import socket
 import struct
 import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, deliver_challenge
 
@@ -31,6 +37,7 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 HEAD_NODE_ID = "head"
 _HANDSHAKE_SECONDS = 30
+_REPORT_SECONDS = 5.0  # how often the head says whom it still waits for
 
 
 @dataclass(frozen=True)
@@ -58,39 +65,103 @@ def _sizes(layout: tuple[int, int, int]) -> str:
     return "-tp %d -pp %d --nnodes %d" % layout
 
 
-class NodeRoster:
-    """The connections of the ranks that joined, by global rank, and which node holds which
-    node rank (node 0 is the driver's own)."""
+class JoinRoster(ABC):
+    """What the head admits, rank by rank: the connections that joined, and the one-line
+    refusal of a node that does not fit, remembered so that its other ranks hear the same.
+    The multi-node workers' roster (NodeRoster) and the remote data parallel engines'
+    (dp_nodes.EngineRoster) differ only in the sizes a node must share with the head and in
+    how a claim's rank is found."""
 
-    def __init__(self, parallel: ParallelConfig) -> None:
-        self.layout = parallel.layout
-        self.nnodes, self.per_node = parallel.nnodes, parallel.ranks_per_node
-        self.world_size = parallel.world_size
-        self.by_rank: dict[int, Connection] = {}
-        self.holders: dict[int, str] = {0: HEAD_NODE_ID}  # node rank -> node id
-        self._node_of: dict[str, int] = {HEAD_NODE_ID: 0}
+    claim_type: type
+    port_flag: str  # the port every node must share with the head, named in a bad key's line
+    rank_name: str  # "rank", "data parallel rank"
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected  # connections the head waits for
+        self.conns: dict[int, Connection] = {}  # by rank
         self._refused: dict[str, str] = {}  # node id -> why
 
     @property
     def complete(self) -> bool:
-        return len(self.by_rank) == self.world_size - 1
+        return len(self.conns) == self.expected
 
-    def admit(self, claim: RankClaim) -> int:
-        """The claim's global rank; NodeRefused if its node does not fit."""
+    def admit(self, claim: Any) -> int:
+        """The claim's rank; NodeRefused if its node does not fit."""
         who = f"node {claim.node_id}"
         if claim.node_id in self._refused:
             raise NodeRefused(self._refused[claim.node_id])
-        if claim.layout != self.layout:
-            self._refuse(claim.node_id, f"{who} was started with {_sizes(claim.layout)}, the "
-                                        f"head with {_sizes(self.layout)}: start every node "
-                                        "with the same sizes")
+        sizes = self._other_sizes(claim)
+        if sizes is not None:
+            theirs, ours, what = sizes
+            self._refuse(claim.node_id, f"{who} was started with {theirs}, the head with "
+                                        f"{ours}: start every node with the same {what}")
+        rank = self._rank(claim, who)
+        if rank in self.conns:
+            raise NodeRefused(f"{self.rank_name} {rank} of {who} connected twice")
+        return rank
+
+    @abstractmethod
+    def _other_sizes(self, claim: Any) -> tuple[str, str, str] | None:
+        """(the node's sizes, the head's, what they are) if they differ, else None."""
+
+    @abstractmethod
+    def _rank(self, claim: Any, who: str) -> int:
+        """The claim's rank, placing its node on its first claim (refusing it if it does not
+        fit)."""
+
+    @abstractmethod
+    def progress(self) -> str:
+        """Who joined and who is missing, for the head's log line."""
+
+    def _refuse(self, node_id: str, message: str) -> NoReturn:
+        self._refused[node_id] = message
+        logger.warning("%s", message)
+        raise NodeRefused(message)
+
+    def admit_connection(self, sock: socket.socket, authkey: bytes) -> None:
+        """One connection to the head's socket: admitted under its rank, or refused."""
+        joined = handshake(sock, authkey, self.claim_type, self.port_flag)
+        if joined is None:
+            return
+        conn, claim = joined
+        try:
+            rank = self.admit(claim)
+        except NodeRefused as refusal:
+            send_and_close(conn, Refused(str(refusal)))
+            return
+        if self._welcome(conn, rank):
+            self.conns[rank] = conn
+
+    def _welcome(self, conn: Connection, rank: int) -> bool:
+        """Tell an admitted connection its rank if it waits for that; False if it is gone."""
+        return True
+
+
+class NodeRoster(JoinRoster):
+    """The connections of the ranks that joined, by global rank, and which node holds which
+    node rank (node 0 is the driver's own)."""
+
+    claim_type = RankClaim
+    port_flag = "--master-port"
+    rank_name = "rank"
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        super().__init__(parallel.world_size - 1)
+        self.layout = parallel.layout
+        self.nnodes, self.per_node = parallel.nnodes, parallel.ranks_per_node
+        self.holders: dict[int, str] = {0: HEAD_NODE_ID}  # node rank -> node id
+        self._node_of: dict[str, int] = {HEAD_NODE_ID: 0}
+
+    def _other_sizes(self, claim: RankClaim) -> tuple[str, str, str] | None:
+        if claim.layout == self.layout:
+            return None
+        return _sizes(claim.layout), _sizes(self.layout), "sizes"
+
+    def _rank(self, claim: RankClaim, who: str) -> int:
         node_rank = self._node_of.get(claim.node_id)
         if node_rank is None:
             node_rank = self._place(claim, who)
-        rank = node_rank * self.per_node + claim.local_index
-        if rank in self.by_rank:
-            raise NodeRefused(f"rank {rank} of {who} connected twice")
-        return rank
+        return node_rank * self.per_node + claim.local_index
 
     def _place(self, claim: RankClaim, who: str) -> int:
         """A node's first rank: the node rank it claims, or the lowest free one."""
@@ -117,16 +188,11 @@ class NodeRoster:
                         ranks[0], ranks[-1])
         return node_rank
 
-    def _refuse(self, node_id: str, message: str) -> NoReturn:
-        self._refused[node_id] = message
-        logger.warning("%s", message)
-        raise NodeRefused(message)
-
     def progress(self) -> str:
         """Which nodes joined, which have part of their ranks, and which are missing."""
         counts = {node: 0 for node in self.holders}
         counts[0] += 1  # the driver
-        for rank in self.by_rank:
+        for rank in self.conns:
             counts[rank // self.per_node] += 1
         whole = sum(1 for count in counts.values() if count == self.per_node)
         parts = [f"{whole} of {self.nnodes} nodes joined"]
@@ -137,16 +203,37 @@ class NodeRoster:
             parts.append("missing node rank(s) " + ", ".join(missing))
         return "; ".join(parts)
 
-    def admit_connection(self, sock: socket.socket, authkey: bytes) -> None:
-        """One connection to the driver's socket: admitted under its rank, or refused."""
-        joined = handshake(sock, authkey, RankClaim)
-        if joined is None:
-            return
-        conn, claim = joined
+
+@dataclass(frozen=True)
+class JoinWait:
+    """How long the head waits for its roster to fill, and what it says meanwhile."""
+
+    seconds: float
+    timed_out: Callable[[str], str]  # the roster's progress -> the error's line
+    waiting_for: str | None = None  # "the nodes": logged with the progress every few seconds
+
+
+def accept_until_complete(server: socket.socket, authkey: bytes, roster: JoinRoster,
+                          check: Callable[[], None], wait: JoinWait) -> None:
+    """Admit connections to the head's socket until the roster is complete; `check` raises
+    if what the head started itself died meanwhile."""
+    start = time.monotonic()
+    report = start + _REPORT_SECONDS
+    server.settimeout(1.0)
+    while not roster.complete:
+        check()
+        now = time.monotonic()
+        if now > start + wait.seconds:
+            raise RuntimeError(wait.timed_out(roster.progress()))
+        if wait.waiting_for is not None and now > report:
+            logger.info("Waiting for %s (%.0f s): %s", wait.waiting_for, now - start,
+                        roster.progress())
+            report += _REPORT_SECONDS
         try:
-            self.by_rank[self.admit(claim)] = conn
-        except NodeRefused as refusal:
-            send_and_close(conn, Refused(str(refusal)))
+            sock, _ = server.accept()
+        except TimeoutError:
+            continue
+        roster.admit_connection(sock, authkey)
 
 
 def handshake(sock: socket.socket, authkey: bytes, claim_type: type,
@@ -195,19 +282,12 @@ def send_and_close(conn: Connection, message: object) -> None:
     conn.close()
 
 
-class Roster(Protocol):
-    def admit(self, claim: Any) -> int:
-        """The claim's rank; NodeRefused if its node does not fit."""
-
-
 class Doorman:
     """After start-up, the head's socket stays open so that a node arriving late (one too
     many, or restarted) hears why it is not taken, instead of retrying a closed port."""
 
-    def __init__(self, server: socket.socket, roster: Roster, authkey: bytes,
-                 claim_type: type = RankClaim) -> None:
+    def __init__(self, server: socket.socket, roster: JoinRoster, authkey: bytes) -> None:
         self._server, self._roster, self._authkey = server, roster, authkey
-        self._claim_type = claim_type
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="NodeDoorman", daemon=True)
         self._thread.start()
@@ -219,7 +299,8 @@ class Doorman:
                 sock, _ = self._server.accept()
             except (TimeoutError, OSError):
                 continue
-            joined = handshake(sock, self._authkey, self._claim_type)
+            joined = handshake(sock, self._authkey, self._roster.claim_type,
+                               self._roster.port_flag)
             if joined is None:
                 continue
             conn, claim = joined
