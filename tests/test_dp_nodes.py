@@ -19,6 +19,7 @@ from test_data_parallel import _engine_samples
 
 from pagellm.distributed.config import ParallelArgs, bound_cores
 from pagellm.distributed.dp_nodes import EngineClaim, EngineRoster
+from pagellm.distributed.ray_data_parallel import engine_places
 from pagellm.distributed.roster import NodeRefused
 
 KEY = {"PAGELLM_DIST_AUTHKEY": "test-secret"}
@@ -139,6 +140,15 @@ def test_the_roster_admits_the_remote_ranks_and_refuses_misfits_with_one_line() 
         assert str(refused.value) == message
     assert roster.admit(_claim("pod-a", 1, 2, 1)) == 1
     assert roster.admit(_claim("pod-e", 3, 1, 3)) == 3  # the refusals took nothing
+
+
+def test_the_engines_ray_puts_on_one_node_split_its_cores_in_rank_order() -> None:
+    places = engine_places(["node-a", "node-b", "node-a", "node-a"])
+    assert [(p.rank, p.size, p.local_index, p.local_count) for p in places] == [
+        (0, 4, 0, 3), (1, 4, 0, 1), (2, 4, 1, 3), (3, 4, 2, 3)]
+    ray_head = ParallelArgs(data_parallel_size=4, data_parallel_backend="ray").parallel_config()
+    assert (ray_head.data_parallel.local_ranks, ray_head.data_parallel.remote_ranks) == (
+        range(0, 0), range(0, 4))  # every engine joins the head as a remote one
 
 
 def test_an_api_server_only_head_waits_for_every_rank() -> None:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import time
 from collections import Counter
+from typing import Any
 
 from pagellm.distributed.config import DEFAULT_DP_ADDRESS, DataParallelConfig
 from pagellm.distributed.dp_nodes import EngineClaim, HeadSocket, serve_head
@@ -53,7 +54,7 @@ class RayEngineCores:
     def __init__(self, args: EngineArgs, config: DataParallelConfig) -> None:
         self.ray = connect_ray("data_parallel_backend 'ray'")
         self.workers: list[RayWorker] = []
-        self.groups = []
+        self.groups: list[Any] = []  # Ray's PlacementGroup, by rank
         # the actors reach the head at the address Ray knows this node by, unless -dpa
         host = (config.address if config.address != DEFAULT_DP_ADDRESS
                 else self.ray.util.get_node_ip_address())
@@ -122,6 +123,9 @@ class RayEngineCores:
 
 
 class _EngineActor:
+    """A data parallel engine core in a Ray worker process; its one call lasts as long as the
+    engine serves the head."""
+
     def run(self, address: str, authkey: bytes, claim: EngineClaim, args: EngineArgs,
             place: EnginePlace, env: dict[str, str]) -> int:
         os.environ.update(env)
