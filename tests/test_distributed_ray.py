@@ -10,6 +10,7 @@ process of its own, so that no Ray state reaches the pytest process), shared by 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -96,6 +97,11 @@ def test_ray_places_each_data_parallel_engine_and_its_ranks_on_a_node(
         raylets = {name: process.ppid() for name, process in engines.items()}
         assert len(raylets) == 4, engines  # two engines, each with its rank 1
         assert raylets["EngineCore_DP0"] != raylets["EngineCore_DP1"]  # one on each node
+        cores = sorted(os.sched_getaffinity(0))  # each node's: an engine's, halved
+        halves = cores[:len(cores) // 2], cores[len(cores) // 2:len(cores) // 2 * 2]
+        assert {name: process.cpu_affinity() for name, process in engines.items()} == {
+            f"EngineCore_DP{rank}{part}": list(half) for rank in (0, 1)
+            for part, half in zip(("", " rank 1"), halves)}
         _check_an_engine_death_is_a_503(server, tiny_llama_dir, engines["EngineCore_DP1"])
     finally:
         server.stop()

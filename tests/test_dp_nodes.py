@@ -17,6 +17,7 @@ import pytest
 from server_utils import TINY_SERVER_ARGS, RemoteServer, cli_env, free_port
 from test_data_parallel import _engine_samples
 
+from pagellm.distributed import group
 from pagellm.distributed.config import ParallelArgs, bound_cores
 from pagellm.distributed.dp_nodes import EngineClaim, EngineRoster
 from pagellm.distributed.ray_data_parallel import engine_places
@@ -192,6 +193,16 @@ def test_bound_threads_give_engine_0_its_ranks_first(
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1-2|3,5|6-7")
     assert bound_cores(rank, 2, engine, 2) == cores
     assert ParallelArgs(data_parallel_size=2, tensor_parallel_size=2).parallel_config()
+
+
+def test_ray_ranks_get_their_share_of_their_engines_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """-dpb ray -tp 2: an engine core on cores 4-7 hands its rank actors (which do not inherit
+    its cores) their halves, as its worker processes would take them."""
+    monkeypatch.setattr(group.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    assert group.rank_shares(2) == "4,5|6,7"
+    monkeypatch.setenv("PAGELLM_CPU_OMP_THREADS_BIND", group.rank_shares(2))
+    assert bound_cores(1, 2) == [6, 7]
 
 
 def test_bound_threads_of_another_count_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -220,6 +220,13 @@ def pin_engine(index: int, count: int, world_size: int) -> list[int]:
     return _pin(sorted({core for cores in bound for core in cores}) or _share(index, count))
 
 
+def rank_shares(world_size: int) -> str:
+    """This process's cores split evenly between `world_size` ranks, written as
+    VLLM_CPU_OMP_THREADS_BIND is: for ranks that do not inherit their engine's cores (Ray
+    actors on its node), as worker processes do."""
+    return "|".join(",".join(map(str, _share(rank, world_size))) for rank in range(world_size))
+
+
 def engine_slot() -> tuple[int, int]:
     """Which of its node's data parallel engines this process belongs to, and how many there
     are: (0, 1) without data parallelism."""

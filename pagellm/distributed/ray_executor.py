@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 
-from pagellm.distributed.config import ParallelConfig
+from pagellm.distributed.config import THREADS_BIND_ENV_VARS, ParallelConfig
 from pagellm.distributed.executor import MultiprocExecutor
-from pagellm.distributed.group import rendezvous_host
+from pagellm.distributed.group import ENGINE_SLOT_ENV, rank_shares, rendezvous_host
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -114,8 +114,12 @@ class RayExecutor(MultiprocExecutor):
         strategy = PlacementGroupSchedulingStrategy(self.placement,
                                                     placement_group_bundle_index=rank)
         actor_class = self.ray.remote(num_cpus=0, scheduling_strategy=strategy)(_RankActor)
+        env = {**forwarded_env(), **env}
+        if not self._own_placement:  # -dpb ray: the engine's ranks share its node and cores
+            env.update({THREADS_BIND_ENV_VARS[0]: rank_shares(self.info.world_size),
+                        ENGINE_SLOT_ENV: "0/1"})
         actor = actor_class.remote()
-        return RayWorker(self.ray, actor, actor.run.remote({**forwarded_env(), **env}))
+        return RayWorker(self.ray, actor, actor.run.remote(env))
 
     def shutdown(self) -> None:
         super().shutdown()
