@@ -58,15 +58,13 @@ def test_ray_spreads_the_ranks_over_both_nodes(tiny_llama_dir: Path,
 
 def _engine_processes(cluster: psutil.Process) -> dict[str, psutil.Process]:
     """The engine cores' actor processes and their ranks' (`ray::_RankActor`), by name."""
-    found: dict[str, psutil.Process] = {}
-    for process in cluster.children(recursive=True):
-        if process.name().startswith("EngineCore_DP"):
-            found[process.name()] = process
-    for rank_actor in cluster.children(recursive=True):
+    processes = cluster.children(recursive=True)
+    found = {process.name(): process for process in processes
+             if process.name().startswith("EngineCore_DP")}
+    by_raylet = {process.ppid(): name for name, process in found.items()}
+    for rank_actor in processes:
         if "_RankActor" in " ".join(rank_actor.cmdline()):
-            engine = next(name for name, process in found.items()
-                          if process.ppid() == rank_actor.ppid())
-            found[engine + " rank 1"] = rank_actor
+            found[f"{by_raylet.get(rank_actor.ppid())} rank 1"] = rank_actor
     return found
 
 
