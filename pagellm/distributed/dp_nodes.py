@@ -145,11 +145,14 @@ def join_remote_engines(config: DataParallelConfig, check: Callable[[], None],
     logger.info("Waiting at %s for data parallel %s to join", head.address,
                 _ranks(config.remote_ranks))
     wait = float(os.environ.get(NODES_WAIT_ENV, "300"))
+
+    def timed_out(progress: str) -> str:
+        return (f"the other nodes' engines did not join the head at {head.address} within "
+                f"{wait:g} s ({NODES_WAIT_ENV}): {progress}.")
+
     try:
-        accept_until_complete(head.server, head.authkey, roster, check, JoinWait(
-            wait, lambda progress: f"the other nodes' engines did not join the head at "
-                                   f"{head.address} within {wait:g} s ({NODES_WAIT_ENV}): "
-                                   f"{progress}.", "the data parallel engines"))
+        accept_until_complete(head.server, head.authkey, roster, check,
+                              JoinWait(wait, timed_out, "the data parallel engines"))
     except BaseException:  # the engines that joined hear that the head is gone
         head.server.close()
         for conn in roster.conns.values():
