@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from pagellm.config import CacheConfig, ModelConfig
+from pagellm.config import ModelConfig
 from pagellm.distributed.config import ParallelConfig, layer_partition
 from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
                                        join_timeout, pin_threads, rendezvous_host)
