@@ -5,8 +5,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
-import threading
 
 import torch
 
@@ -29,9 +27,12 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
     time in random order, and with 4 KiB pages nearly every block costs a TLB miss:
     SmolLM2's decode attention at batch 64 over 30 layers took 19.0 ms with them and 16.4 ms
     with 2 MiB pages (146.8 and 119.0 ms at 1000 tokens of context). With `fault_in`, the
-    pages are written now, as torch.zeros does: faulted in later, each would cost a decode
-    step the zeroing of 2 MiB; without, fresh anonymous memory reads as zeros anyway, and
-    fault_in_background can do it off the start-up's path."""
+    pages are written now, as torch.zeros does. Without, fresh anonymous memory reads as
+    zeros anyway, and each page is faulted in by the first step that writes it: the zeroing
+    of 2 MiB, on first use only. The KV cache is allocated so, because faulting gigabytes in
+    costs a start-up seconds (tens in a VM, whose host backs memory on first touch), and a
+    background thread doing it held the memory-map lock that the engine's large mallocs
+    wait for: first requests took 3 to 15 s on two cores, at any thread priority."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE_BYTES,
                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -41,54 +42,6 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
     tensor = raw[offset:offset + nbytes]
     return (tensor.zero_() if fault_in else tensor).view(dtype).view(shape)
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, leaving their contents
-
-
-def fault_in_background(tensors: list[torch.Tensor]) -> None:
-    """Fault the pages of zeros_in_huge_pages(..., fault_in=False) tensors in from a thread,
-    so that a start-up does not wait for gigabytes of zeroing. MADV_POPULATE_WRITE never
-    changes what a page holds, so the engine may write into the tensors meanwhile. Where the
-    kernel lacks it, the pages are zeroed here instead.
-
-    The thread runs only on a core nothing else wants (SCHED_IDLE), and faults one huge page
-    per call. Each call holds the process's memory-map lock, which every large malloc of the
-    engine waits for: whole layers per call at normal priority (seconds each where, as in a
-    VM, first touching memory is slow) made a first request take 15 s instead of 0.1 s."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def populate(address: int, size: int) -> int:
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size),
-                            _MADV_POPULATE_WRITE)
-
-    def pages(tensor: torch.Tensor) -> list[tuple[int, int]]:
-        start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        return [(start + offset, min(_HUGE_PAGE_BYTES, size - offset))
-                for offset in range(0, size, _HUGE_PAGE_BYTES)]
-
-    work = [page for tensor in tensors for page in pages(tensor)]
-    if not work:
-        return
-    if populate(*work[0]) != 0:  # one page tells whether the kernel has it
-        for tensor in tensors:
-            tensor.zero_()
-        return
-
-    def populate_all() -> None:
-        _run_only_when_idle()
-        for address, size in work[1:]:
-            populate(address, size)
-
-    threading.Thread(target=populate_all, daemon=True, name="kv-cache-fault-in").start()
-
-
-def _run_only_when_idle() -> None:
-    """Linux's SCHED_IDLE for the calling thread; elsewhere it keeps its priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
 
 
 _PR_SET_NAME = 15

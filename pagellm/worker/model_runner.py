@@ -29,7 +29,7 @@ from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
-from pagellm.platform import fault_in_background, zeros_in_huge_pages
+from pagellm.platform import zeros_in_huge_pages
 from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
 from pagellm.sample.metadata import TokenMaskMetadata, build_token_mask
 from pagellm.sample.prompt_logprobs import hand_out_prompt_logprobs, score_prompt_rows
@@ -121,8 +121,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Zeroed, so that padding slots read by a gather are finite and masked out cleanly; on
-        CPU in 2 MiB pages, which spare decode attention a TLB miss per block, faulted in by a
-        thread while the engine starts serving. With `kv_layout`, layers share tensors."""
+        CPU in 2 MiB pages, which spare decode attention a TLB miss per block, each faulted in
+        by the step that first writes it. With `kv_layout`, layers share tensors."""
         shape, tensors = self._cache_shape(num_blocks), range(self._num_kv_tensors())
         if self.device.type != "cpu":
             caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
@@ -130,7 +130,6 @@ class ModelRunner:
         else:
             caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype, fault_in=False)
                       for _ in tensors]
-            fault_in_background(caches)
         self.kv_caches = (caches if self.kv_layout is None else
                           [caches[tensor] for tensor in self.kv_layout.layer_tensors])
 
