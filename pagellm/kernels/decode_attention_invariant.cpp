@@ -180,21 +180,26 @@ inline void accumulate_rows(float* ot, const float* values, const float* p, cons
 }
 
 // Per-item scratch, all float32. Per-row state is padded to whole vectors, so that its loops
-// run vector code only, as the prefill kernel's do over its padded rows.
+// run vector code only, as the prefill kernel's do over its padded rows. Buffers that every
+// item overwrites before reading are sized once per thread, not cleared per item.
 struct Scratch {
   std::vector<float> q, ot, keys, kt, values, scores, max, sum, correction, block_max;
 
-  void resize(int64_t group, int64_t rows, int64_t d, int64_t chunk_keys, int64_t block_size) {
-    q.assign(group * d, 0.f);
+  void reset(int64_t group, int64_t rows, int64_t d, int64_t chunk_keys, int64_t block_size) {
+    grow(q, group * d);
+    grow(keys, chunk_keys * d);
+    grow(kt, chunk_keys * d);
+    grow(values, block_size * d);
+    grow(scores, group * chunk_keys);
     ot.assign(group * d, 0.f);
-    keys.assign(chunk_keys * d, 0.f);
-    kt.assign(chunk_keys * d, 0.f);
-    values.assign(block_size * d, 0.f);
-    scores.assign(group * chunk_keys, 0.f);
     max.assign(rows, -INFINITY);
     sum.assign(rows, 0.f);
     correction.assign(rows, 1.f);
     block_max.assign(rows, -INFINITY);
+  }
+
+  static void grow(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
 };
 
@@ -239,16 +244,38 @@ void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t o
   }
 }
 
+// widen(out, rows, n), requesting the same bytes of `next` (unless null) a cache line at a
+// time along the way: blocks lie anywhere in the cache, out of the hardware prefetchers'
+// reach, and requested in one burst a block's lines stall the core's queue of misses (see
+// paged_attention.cpp). Each block requests the block one chunk on, its keys as its own
+// keys are widened, its values as its own values are.
+template <typename C>
+inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(C);
+  for (int64_t i = 0; i < n; i += kLine) {
+    if (next != nullptr) __builtin_prefetch(next + i);
+    widen(out + i, rows + i, std::min(kLine, n - i));
+  }
+}
+
+// The cache rows of block b + ahead of a table, or null past the request's last block.
+template <typename C>
+inline const C* block_ahead(const C* cache, const int64_t* table, int64_t b, int64_t ahead,
+                            int64_t num_blocks, int64_t block_elements) {
+  return b + ahead < num_blocks ? cache + table[b + ahead] * block_elements : nullptr;
+}
+
 // Widens the keys of `blocks` blocks from b0 into rows of `padded` keys, transposes them into
 // kt [d, blocks * padded], and scores every row of the group against them.
 template <typename C>
 void score_chunk(Scratch& w, const C* keys, const int64_t* table, int64_t b0, int64_t blocks,
                  int64_t padded, int64_t seq_len, int64_t group, int64_t d, int64_t bs) {
-  const int64_t chunk = blocks * padded;
+  const int64_t chunk = blocks * padded, num_blocks = (seq_len + bs - 1) / bs;
   for (int64_t k = 0; k < blocks; ++k) {
     const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
     float* rows = w.keys.data() + k * padded * d;
-    widen(rows, keys + table[b] * bs * d, count * d);
+    widen_prefetching(rows, keys + table[b] * bs * d,
+                      block_ahead(keys, table, b, blocks, num_blocks, bs * d), count * d);
     std::fill(rows + count * d, rows + padded * d, 0.f);
   }
   for (int64_t j = 0; j < chunk; j += kWidth) {
@@ -283,7 +310,7 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t padded = (bs + kWidth - 1) / kWidth * kWidth;
   const int64_t per_chunk = std::max<int64_t>(1, kChunkKeys / padded);
-  w.resize(group, (group + kWidth - 1) / kWidth * kWidth, d, per_chunk * padded, bs);
+  w.reset(group, (group + kWidth - 1) / kWidth * kWidth, d, per_chunk * padded, bs);
   for (int64_t r = 0; r < group; ++r) {
     for (int64_t i = 0; i < d; ++i) w.q[r * d + i] = load(query + r * d, i) * scale;
   }
@@ -297,7 +324,8 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
     score_chunk(w, keys, table, b0, blocks, padded, seq_len, group, d, bs);
     for (int64_t k = 0; k < blocks; ++k) {
       const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
-      widen(w.values.data(), values + table[b] * bs * d, count * d);
+      widen_prefetching(w.values.data(), values + table[b] * bs * d,
+                        block_ahead(values, table, b, per_chunk, num_blocks, bs * d), count * d);
       fold_block(w, group, static_cast<int64_t>(w.max.size()), chunk, k * padded, count, padded,
                  static_cast<float>(b * bs), b * bs + count - 1 > position || b * bs < all_see,
                  static_cast<float>(position), window_keys);
