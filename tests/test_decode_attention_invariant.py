@@ -66,7 +66,7 @@ def check(lengths, group, dim, block, cache_dtype, query_dtype, window, seed=0):
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
-@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (4, 128), (8, 64), (3, 128)])
 @pytest.mark.parametrize("window", [0, 7, 32])
 def test_decode_rows_equal_the_prefill_kernels(cache_dtype, query_dtype, group, dim, window):
