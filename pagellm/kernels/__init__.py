@@ -27,7 +27,8 @@ _SOURCES = [_HERE / name for name in ("paged_attention.cpp", "rms_norm.cpp",
                                       "quantized_linear.cpp", "quantized_linear_int8.cpp",
                                       "quantized_linear_amx.cpp", "quantized_linear_bf16_amx.cpp",
                                       "sampling_noise.cpp", "argmax.cpp",
-                                      "prefill_attention.cpp", "write_kv.cpp",
+                                      "prefill_attention.cpp", "decode_attention_invariant.cpp",
+                                      "write_kv.cpp",
                                       "cache_eviction.cpp", "token_mask.cpp")]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "quantized_linear.h", "int8_rows.h",
                                       "attention_scores.h", "amx_tiles.h")]
@@ -190,6 +191,26 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     out = query.new_empty(num_queries, query.shape[1] * query.shape[2])
     torch.ops.pagellm.paged_prefill_attention(out, query, kv_cache, block_tables, seq_lens,
                                               query_starts, query_lens, scale, window)
+    return out
+
+
+@functools.cache
+def decode_attention_invariant_available() -> bool:
+    """Whether paged_decode_attention_invariant was compiled: it needs AVX2 and FMA."""
+    return (cpu_kernels_available()
+            and hasattr(torch.ops.pagellm, "paged_decode_attention_invariant"))
+
+
+def paged_decode_attention_invariant(query: torch.Tensor, kv_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                     scale: float, window: int = 0) -> torch.Tensor:
+    """query [N, H, D] (one token per request, D a multiple of 16) -> [N, H * D], bit-identical
+    to paged_prefill_attention's rows for the same tokens (the batch-invariant engine's
+    decode-only steps), and faster: its lanes hold keys or dims, not the few query heads of a
+    kv head."""
+    out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+    torch.ops.pagellm.paged_decode_attention_invariant(out, query, kv_cache, block_tables,
+                                                       seq_lens, scale, window)
     return out
 
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import (paged_decode_attention, paged_prefill_attention,
+from pagellm.kernels import (decode_attention_invariant_available, paged_decode_attention,
+                             paged_decode_attention_invariant, paged_prefill_attention,
                              prefill_attention_available, use_cpu_kernels, write_kv_cache)
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
@@ -247,6 +248,13 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale, window)
+    if (max_q == 1 and group.prefill_kernel and head_dim % 16 == 0 and use_cpu_kernels(kv_cache)
+            and decode_attention_invariant_available()):
+        # a decode-only batch-invariant step: bit-identical to the prefill kernel's rows (which
+        # every other step's tokens get), with the lanes kept busy
+        queries = query if group.all_tokens_in_order else query[group.token_index]
+        return paged_decode_attention_invariant(queries, kv_cache, group.block_tables,
+                                                group.seq_lens, scale, window)
     if ((max_q > 1 or group.prefill_kernel) and use_cpu_kernels(kv_cache)
             and prefill_attention_available()):
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,

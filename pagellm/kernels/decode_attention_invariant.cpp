@@ -1,0 +1,407 @@
+// Decode attention (one query token per request) over the paged KV cache whose results are
+// bit-identical to paged_prefill_attention's for the same token: the batch-invariant engine
+// sends its decode-only steps here and its other steps to the prefill kernel, and a token's
+// logits must not depend on which of the two attended it. For CPUs with AVX2 and FMA (on
+// AVX512, vectors twice as wide).
+//
+// The prefill kernel keeps query rows along the vector lanes; a decode has only its group's
+// query heads as rows (3 of SmolLM2's 16 lanes), so most of its lanes idle. Here the lanes
+// hold whatever is independent instead, while every row still runs the prefill kernel's
+// operations in its order:
+//   - scores: KEYS along the lanes. A block's keys are widened, then transposed (Kt [head_dim,
+//     keys]) so that each lane runs its key's chain fma(key[i], qscaled[i], acc), i = 0..d-1
+//     from 0, with the query dim broadcast; several blocks' scores are computed at once for
+//     independent chains (scores do not depend on the softmax's state);
+//   - softmax: per row and block, the same masking, exact maximum, correction, exponentials
+//     (exp_nonpositive, vectorized over keys instead of rows) and sequential sum over keys;
+//   - output: DIMS along the lanes: ot = ot * correction, then fma(value[j][i], p[j], acc)
+//     over the block's keys j ascending, p[j] broadcast.
+// Blocks are folded one at a time in ascending order, from the first that the window reaches,
+// as the prefill kernel folds them. Everything computes in float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "vectorizable.h"
+
+namespace {
+
+using pagellm::exp_nonpositive;
+using pagellm::load;
+using pagellm::store;
+using pagellm::widen;
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+inline Vec load_vec(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_vec(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec zero_vec() { return _mm512_setzero_ps(); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+
+// out[c][0..16) = in[0..16)[c] for the 16 x 16 floats at `in` (rows `in_stride` apart).
+inline void transpose_tile(float* out, int64_t out_stride, const float* in, int64_t in_stride) {
+  __m512 r[16], t[16];
+  for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(in + k * in_stride);
+  for (int k = 0; k < 16; k += 2) {
+    t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+  }
+  // r[4q + m], 128-bit lane L: rows 4q..4q+3 of column 4L + m
+  for (int k = 0; k < 16; k += 4) {
+    r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+    r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+    r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+    r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 a = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+    const __m512 b = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xDD);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+    const __m512 e = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xDD);
+    _mm512_storeu_ps(out + m * out_stride, _mm512_shuffle_f32x4(a, c, 0x88));
+    _mm512_storeu_ps(out + (4 + m) * out_stride, _mm512_shuffle_f32x4(b, e, 0x88));
+    _mm512_storeu_ps(out + (8 + m) * out_stride, _mm512_shuffle_f32x4(a, c, 0xDD));
+    _mm512_storeu_ps(out + (12 + m) * out_stride, _mm512_shuffle_f32x4(b, e, 0xDD));
+  }
+}
+#else
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+inline Vec load_vec(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_vec(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec zero_vec() { return _mm256_setzero_ps(); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+
+// out[c][0..8) = in[0..8)[c] for the 8 x 8 floats at `in` (rows `in_stride` apart).
+inline void transpose_tile(float* out, int64_t out_stride, const float* in, int64_t in_stride) {
+  __m256 r[8], t[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(in + k * in_stride);
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  // r[4q + m], 128-bit lane L: rows 4q..4q+3 of column 4L + m
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+    r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+    r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+    r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  for (int m = 0; m < 4; ++m) {
+    _mm256_storeu_ps(out + m * out_stride, _mm256_permute2f128_ps(r[m], r[4 + m], 0x20));
+    _mm256_storeu_ps(out + (4 + m) * out_stride, _mm256_permute2f128_ps(r[m], r[4 + m], 0x31));
+  }
+}
+#endif
+
+// Keys scored per pass: enough key vectors for independent FMA chains (a block of 16 keys is
+// one vector on AVX512, and a chain's FMAs wait on each other).
+constexpr int64_t kChunkKeys = 64;
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
+};
+
+// s[r][t * kWidth + lane] = the chain fma(kt[i][..], q[r][i], acc) over i = 0..d-1 from 0, for
+// kRows rows and kTiles vectors of keys: the prefill kernel's chain for that (row, key).
+template <int kRows, int kTiles>
+inline void score_tile(float* s, const float* kt, const float* q, int64_t d, int64_t keys) {
+  Vec acc[kRows][kTiles];
+  for (auto& row : acc) {
+    for (auto& v : row) v = zero_vec();
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    Vec key[kTiles];
+    for (int t = 0; t < kTiles; ++t) key[t] = load_vec(kt + i * keys + t * kWidth);
+    for (int r = 0; r < kRows; ++r) {
+      const Vec qi = broadcast(q + r * d + i);
+      for (int t = 0; t < kTiles; ++t) acc[r][t] = fmadd(key[t], qi, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < kTiles; ++t) store_vec(s + r * keys + t * kWidth, acc[r][t]);
+  }
+}
+
+template <int kRows>
+inline void score_rows(float* s, const float* kt, const float* q, int64_t d, int64_t keys) {
+  int64_t k = 0;
+  for (; k + 4 * kWidth <= keys; k += 4 * kWidth) score_tile<kRows, 4>(s + k, kt + k, q, d, keys);
+  for (; k + 2 * kWidth <= keys; k += 2 * kWidth) score_tile<kRows, 2>(s + k, kt + k, q, d, keys);
+  for (; k < keys; k += kWidth) score_tile<kRows, 1>(s + k, kt + k, q, d, keys);
+}
+
+// ot[r][i0..) = ot[r][i0..) * correction[r], then fma(values[j][i0..], p[r][j], acc) for the
+// block's keys j ascending: the prefill kernel's accumulate_tile with dims along the lanes.
+template <int kRows, int kVecs>
+inline void accumulate_tile(float* ot, const float* values, const float* p, const float* correction,
+                            int64_t count, int64_t d, int64_t keys) {
+  Vec acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    const Vec c = broadcast(correction + r);
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = mul(load_vec(ot + r * d + v * kWidth), c);
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    Vec value[kVecs];
+    for (int v = 0; v < kVecs; ++v) value[v] = load_vec(values + j * d + v * kWidth);
+    for (int r = 0; r < kRows; ++r) {
+      const Vec pj = broadcast(p + r * keys + j);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = fmadd(value[v], pj, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVecs; ++v) store_vec(ot + r * d + v * kWidth, acc[r][v]);
+  }
+}
+
+template <int kRows>
+inline void accumulate_rows(float* ot, const float* values, const float* p, const float* correction,
+                            int64_t count, int64_t d, int64_t keys) {
+  int64_t i = 0;
+  for (; i + 4 * kWidth <= d; i += 4 * kWidth) {
+    accumulate_tile<kRows, 4>(ot + i, values + i, p, correction, count, d, keys);
+  }
+  for (; i < d; i += kWidth) {
+    accumulate_tile<kRows, 1>(ot + i, values + i, p, correction, count, d, keys);
+  }
+}
+
+// Per-item scratch, all float32. Per-row state is padded to whole vectors, so that its loops
+// run vector code only, as the prefill kernel's do over its padded rows. Buffers that every
+// item overwrites before reading are sized once per thread, not cleared per item.
+struct Scratch {
+  std::vector<float> q, ot, keys, kt, values, scores, max, sum, correction, block_max;
+
+  void reset(int64_t group, int64_t rows, int64_t d, int64_t chunk_keys, int64_t block_size) {
+    grow(q, group * d);
+    grow(keys, chunk_keys * d);
+    grow(kt, chunk_keys * d);
+    grow(values, block_size * d);
+    grow(scores, group * chunk_keys);
+    ot.assign(group * d, 0.f);
+    max.assign(rows, -INFINITY);
+    sum.assign(rows, 0.f);
+    correction.assign(rows, 1.f);
+    block_max.assign(rows, -INFINITY);
+  }
+
+  static void grow(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
+};
+
+// One block's softmax step for each row, on its scores at `offset` of the rows' score lines
+// (`count` keys from position `first_key`, then padding up to `padded`): the prefill kernel's
+// fold_block, with keys instead of rows along the lanes. Leaves the weights in place of the
+// scores and each row's rescaling of its past in `correction`.
+void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t offset,
+                int64_t count, int64_t padded, float first_key, bool masked, float position,
+                float window) {
+  for (int64_t r = 0; r < group; ++r) {
+    float* row = w.scores.data() + r * keys + offset;
+    for (int64_t j = count; j < padded; ++j) row[j] = -INFINITY;  // keys past the block
+#pragma omp simd
+    for (int64_t j = 0; j < padded; ++j) {
+      const float key = first_key + static_cast<float>(j);
+      row[j] = masked && (key > position || key <= position - window) ? -INFINITY : row[j];
+    }
+    // exact, so its order does not matter (signed zeros aside, which exp sees alike)
+    float mx = w.max[r];
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < padded; ++j) mx = std::max(mx, row[j]);
+    w.block_max[r] = mx;
+  }
+  float *mx = w.block_max.data(), *m = w.max.data(), *l = w.sum.data();
+#pragma omp simd
+  for (int64_t r = 0; r < rows; ++r) {
+    w.correction[r] = mx[r] == -INFINITY ? 1.f : exp_nonpositive(m[r] - mx[r]);
+    l[r] *= w.correction[r];
+    m[r] = mx[r];
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    float* row = w.scores.data() + r * keys + offset;
+    const float largest = mx[r];
+#pragma omp simd
+    for (int64_t j = 0; j < padded; ++j) {
+      row[j] = row[j] == -INFINITY ? 0.f : exp_nonpositive(row[j] - largest);
+    }
+    float total = l[r];
+    for (int64_t j = 0; j < count; ++j) total += row[j];  // in order, as the prefill kernel
+    l[r] = total;
+  }
+}
+
+// widen(out, rows, n), requesting the same bytes of `next` (unless null) a cache line at a
+// time along the way: blocks lie anywhere in the cache, out of the hardware prefetchers'
+// reach, and requested in one burst a block's lines stall the core's queue of misses (see
+// paged_attention.cpp). Each block requests the block one chunk on, its keys as its own
+// keys are widened, its values as its own values are.
+template <typename C>
+inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(C);
+  for (int64_t i = 0; i < n; i += kLine) {
+    if (next != nullptr) __builtin_prefetch(next + i);
+    widen(out + i, rows + i, std::min(kLine, n - i));
+  }
+}
+
+// The cache rows of block b + ahead of a table, or null past the request's last block.
+template <typename C>
+inline const C* block_ahead(const C* cache, const int64_t* table, int64_t b, int64_t ahead,
+                            int64_t num_blocks, int64_t block_elements) {
+  return b + ahead < num_blocks ? cache + table[b + ahead] * block_elements : nullptr;
+}
+
+// Widens the keys of `blocks` blocks from b0 into rows of `padded` keys, transposes them into
+// kt [d, blocks * padded], and scores every row of the group against them.
+template <typename C>
+void score_chunk(Scratch& w, const C* keys, const int64_t* table, int64_t b0, int64_t blocks,
+                 int64_t padded, int64_t seq_len, int64_t group, int64_t d, int64_t bs) {
+  const int64_t chunk = blocks * padded, num_blocks = (seq_len + bs - 1) / bs;
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
+    float* rows = w.keys.data() + k * padded * d;
+    widen_prefetching(rows, keys + table[b] * bs * d,
+                      block_ahead(keys, table, b, blocks, num_blocks, bs * d), count * d);
+    std::fill(rows + count * d, rows + padded * d, 0.f);
+  }
+  for (int64_t j = 0; j < chunk; j += kWidth) {
+    for (int64_t i = 0; i < d; i += kWidth) {
+      transpose_tile(w.kt.data() + i * chunk + j, chunk, w.keys.data() + j * d + i, d);
+    }
+  }
+  int64_t r = 0;
+  for (; r + 2 <= group; r += 2) {
+    score_rows<2>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
+  }
+  if (r < group) score_rows<1>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
+}
+
+void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64_t keys,
+                      int64_t offset) {
+  int64_t r = 0;
+  for (; r + 2 <= group; r += 2) {
+    accumulate_rows<2>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
+                       w.correction.data() + r, count, d, keys);
+  }
+  if (r < group) {
+    accumulate_rows<1>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
+                       w.correction.data() + r, count, d, keys);
+  }
+}
+
+// One (request, kv head): its query heads' attention at position seq_len - 1.
+template <typename T, typename C>
+void attend_item(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
+                 int64_t seq_len, const Shape& s, float scale, int64_t window, Scratch& w) {
+  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
+  const int64_t padded = (bs + kWidth - 1) / kWidth * kWidth;
+  const int64_t per_chunk = std::max<int64_t>(1, kChunkKeys / padded);
+  w.reset(group, (group + kWidth - 1) / kWidth * kWidth, d, per_chunk * padded, bs);
+  for (int64_t r = 0; r < group; ++r) {
+    for (int64_t i = 0; i < d; ++i) w.q[r * d + i] = load(query + r * d, i) * scale;
+  }
+  const int64_t position = seq_len - 1, num_blocks = (seq_len + bs - 1) / bs;
+  // as the prefill kernel: the first key the query sees, and the first unmasked for all
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  const int64_t all_see = window > 0 ? seq_len - window : 0;
+  const float window_keys = window > 0 ? static_cast<float>(window) : INFINITY;
+  for (int64_t b0 = lowest / bs; b0 < num_blocks; b0 += per_chunk) {
+    const int64_t blocks = std::min(per_chunk, num_blocks - b0), chunk = blocks * padded;
+    score_chunk(w, keys, table, b0, blocks, padded, seq_len, group, d, bs);
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
+      widen_prefetching(w.values.data(), values + table[b] * bs * d,
+                        block_ahead(values, table, b, per_chunk, num_blocks, bs * d), count * d);
+      fold_block(w, group, static_cast<int64_t>(w.max.size()), chunk, k * padded, count, padded,
+                 static_cast<float>(b * bs), b * bs + count - 1 > position || b * bs < all_see,
+                 static_cast<float>(position), window_keys);
+      accumulate_block(w, group, count, d, chunk, k * padded);
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    const float inverse = 1.f / w.sum[r];
+    for (int64_t i = 0; i < d; ++i) store(out + r * d, i, w.ot[r * d + i] * inverse);
+  }
+}
+
+template <typename T, typename C>
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s, float scale,
+         int64_t window) {
+  const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
+  const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
+  const int64_t layer_stride = s.num_kv_heads * head_stride;
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const C* cache = kv_cache.const_data_ptr<C>();
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  // items: (request, kv head), each computed alike however the pool splits them
+  at::parallel_for(0, requests * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
+      attend_item(o + n * s.num_heads * s.head_dim + h * group * s.head_dim,
+                  q + n * s.query_row_stride + h * group * s.head_dim, cache + h * head_stride,
+                  cache + layer_stride + h * head_stride, tables + n * s.max_blocks, lens[n], s,
+                  scale, window, scratch);
+    }
+  });
+}
+
+// out: [N, H * D]; query: [N, H, D] (one token per request, at position seq_lens[n] - 1) with
+// unit strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
+// block_tables: [N, max_blocks]; seq_lens: [N], int64; window > 0: each query sees only its
+// last `window` keys. D: a multiple of 16.
+void paged_decode_attention_invariant(at::Tensor out, const at::Tensor& query,
+                                      const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, double scale, int64_t window) {
+  const char* op = "paged_decode_attention_invariant";
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2, op,
+              ": unexpected ranks");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
+                  kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              op, ": unexpected strides");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": query and output dtypes differ");
+  const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
+                kv_cache.size(3), block_tables.size(1), query.stride(0)};
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
+                  s.head_dim % 16 == 0 && seq_lens.size(0) == query.size(0),
+              op, ": head shapes do not match");
+  const float f = static_cast<float>(scale);
+  pagellm::dispatch_dtype(query, op, [&](auto query_tag) {
+    pagellm::dispatch_cache_dtype(kv_cache, op, [&](auto cache_tag) {
+      run<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens,
+                                                    s, f, window);
+    });
+  });
+}
+
+}  // namespace
+
+// Registered only where it is compiled: Python checks for the op.
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("paged_decode_attention_invariant(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("paged_decode_attention_invariant", &paged_decode_attention_invariant);
+}
+
+#endif
