@@ -101,8 +101,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         if device.type == "cpu":  # build (or load) the kernels now, not at the first decode
-            logger.info("Decode attention: %s", "pagellm's paged CPU kernel"
-                        if cpu_kernels_available() else "torch ops (no CPU kernel)")
+            logger.info("Decode attention: %s", _decode_attention_name(self.batch_invariant))
 
     def block_bytes(self) -> int:
         """Bytes of one block across its KV tensors (one a layer, or, with `kv_layout`, one a
@@ -406,3 +405,11 @@ class ModelRunner:
                     seed_stream=request.index + stream, grammar=request.grammar))
                 owners.append(request.request_id)
         return rows, owners
+
+
+def _decode_attention_name(batch_invariant: bool) -> str:
+    if not cpu_kernels_available():
+        return "torch ops (no CPU kernel)"
+    if batch_invariant:
+        return "pagellm's paged CPU kernel, bit-identical to its prefill kernel (batch-invariant)"
+    return "pagellm's paged CPU kernel"
