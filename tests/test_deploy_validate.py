@@ -72,9 +72,8 @@ def _unknown_flag(docs: list[dict]) -> None:
 
 
 def _data_parallel(docs: list[dict]) -> None:
-    # data parallel ranks started by Ray: not built
-    _pagellm_container(docs)["args"] += ["--data-parallel-size", "2",
-                                         "--data-parallel-backend", "ray"]
+    # data parallel engines with their ranks spread over nodes: not built
+    _pagellm_container(docs)["args"] += ["--data-parallel-size", "2", "--nnodes", "2"]
 
 
 def _hub_model_id(docs: list[dict]) -> None:
@@ -116,7 +115,7 @@ BREAKAGES: dict[str, tuple[str, Callable[[list[dict]], None], str]] = {
     "unknown flag": ("kubernetes/pagellm-gpu.yaml", _unknown_flag,
                      "unrecognized arguments: --max-model-length 4096"),
     "data parallel": ("kubernetes/pagellm-gpu.yaml", _data_parallel,
-                      "data_parallel_backend 'ray' is not supported by pagellm yet"),
+                      "data parallelism combined with --nnodes"),
     "hub model id": ("kubernetes/pagellm-gpu.yaml", _hub_model_id, "is under no volume mount"),
     "probe port": ("kubernetes/pagellm-gpu.yaml", _probe_on_wrong_port,
                    "livenessProbe asks port 8080, pagellm listens on 8000"),

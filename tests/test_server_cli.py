@@ -62,8 +62,9 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
 
 
 def test_unbuilt_parallel_layout_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = one_line_error(["serve", "-dp", "2", "-dpb", "ray"], capsys)
-    assert code == 1 and "data_parallel_backend 'ray' is not supported by pagellm yet" in err
+    code, err = one_line_error(["serve", "-dp", "2", "--nnodes", "2"], capsys)
+    assert code == 1 and "data parallelism combined with --nnodes" in err
+    assert "is not supported by pagellm yet" in err
     code, err = one_line_error(["serve", "-tp", "-1"], capsys)
     assert code == 2 and "must be 0 or more, got -1" in err
 
