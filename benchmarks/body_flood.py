@@ -24,7 +24,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from pagellm.model.loader import default_model_path  # noqa: E402
+from pagellm.model.paths import default_model_path  # noqa: E402
 from server_utils import RemoteServer  # noqa: E402
 
 STREAMS = 16

@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import save_file
 from server_health import wait_healthy
 
-from pagellm.model.loader import default_model_path, read_gguf
+from pagellm.model.loader import read_gguf
+from pagellm.model.paths import default_model_path
 
 PROJECTIONS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "kv"),
                "self_attn.v_proj": ("hidden", "kv"), "self_attn.o_proj": ("q", "hidden"),

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from pagellm.model.loader import default_model_path
+from pagellm.model.paths import default_model_path
 
 
 class StreamOptions(BaseModel):

@@ -64,7 +64,7 @@ from peers_report import (PAGELLM_ARGS_FILE, STARTUP_INFIX, decode_log_name, mac
                           save_peak, save_run_record, write_report)
 from serve_compare import RESULTS, bench, free_port, serving
 
-from pagellm.model.loader import default_model_path
+from pagellm.model.paths import default_model_path
 
 NAIVE_SERVER = Path(__file__).parent / "naive_server.py"
 

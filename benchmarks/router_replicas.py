@@ -327,7 +327,7 @@ def parse_args() -> argparse.Namespace:
     args.policies = args.policies.split(",")
     args.chat_policies = args.chat_policies.split(",")
     if args.model is None and not args.fake_replicas:
-        from pagellm.model.loader import default_model_path
+        from pagellm.model.paths import default_model_path
 
         args.model = str(default_model_path())
     return args

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from pagellm.benchmarks.soak import SoakConfig, SoakResult, run_soak  # noqa: E402
-from pagellm.model.loader import default_model_path  # noqa: E402
+from pagellm.model.paths import default_model_path  # noqa: E402
 from server_utils import RemoteServer, engine_core_pid  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
-from pagellm.model.loader import default_model_path
+from pagellm.model.paths import default_model_path
 
 
 @pytest.fixture(scope="session", autouse=True)

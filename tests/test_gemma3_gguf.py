@@ -16,7 +16,8 @@ from test_models import assert_matches_reference, transformers_gguf_model
 from transformers import Gemma3TextConfig, PreTrainedModel
 
 from pagellm.model.arch import ArchConfig
-from pagellm.model.loader import LoadedModel, load_model, resolve_model_path
+from pagellm.model.loader import LoadedModel, load_model
+from pagellm.model.paths import resolve_model_path
 from pagellm.tokenizer import apply_chat_template, load_tokenizer
 
 CPU = torch.device("cpu")

@@ -16,8 +16,8 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from pagellm.model.arch import ArchConfig, arch_from_hf_config
 from pagellm.model.attention import build_attention_metadata, kv_cache_shape
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.loader import (LoadedModel, instantiate, load_model, resolve_model_path,
-                                  safetensors_weights)
+from pagellm.model.loader import LoadedModel, instantiate, load_model, safetensors_weights
+from pagellm.model.paths import resolve_model_path
 from pagellm.tokenizer import apply_chat_template
 
 CPU = torch.device("cpu")

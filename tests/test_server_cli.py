@@ -135,7 +135,7 @@ def test_api_key_sources_and_security_flags(tmp_path: Path, monkeypatch: pytest.
 
 def test_the_engine_core_start_method_follows_vllm_s_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagellm.engine.core_client import start_method
+    from pagellm.engine.core_process import start_method
 
     for name in ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD"):
         monkeypatch.delenv(name, raising=False)

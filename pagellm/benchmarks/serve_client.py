@@ -216,7 +216,7 @@ def open_tokenizer(tokenizer: str | None, client: httpx.Client,
         server.encode("Hello world")
         return server, str(client.base_url).rstrip("/") + "/tokenize"
     except (ValueError, KeyError) as error:
-        from pagellm.model.loader import default_model_path
+        from pagellm.model.paths import default_model_path
 
         path = default_model_path()
         print(f"The server's /tokenize is unusable ({error}); counting tokens with {path.name}.")

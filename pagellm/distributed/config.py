@@ -130,6 +130,12 @@ class DataParallelConfig:
         return range(self.start_rank, self.start_rank + self.size_local)
 
     @property
+    def served_ranks(self) -> range:
+        """The ranks behind this process's API server: all of them, or the one of an outside
+        load balancer."""
+        return self.local_ranks if self.rank is not None else range(self.size)
+
+    @property
     def remote_ranks(self) -> range:
         """The ranks the head waits for: those its own command does not start."""
         return range(0) if self.headless or self.rank is not None else range(

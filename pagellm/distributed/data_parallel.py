@@ -26,8 +26,9 @@ from pagellm.distributed.config import DataParallelConfig
 from pagellm.distributed.roster import Doorman
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import (AddLoRA, AttachedEngineCoreClient, CoreReady,
-                                        EngineCoreClient, EnginePlace, KVCacheReport, LoRAReply,
-                                        RemoveLoRA, StepResult)
+                                        EngineCoreClient, KVCacheReport, LoRAReply, RemoveLoRA,
+                                        StepResult)
+from pagellm.engine.core_process import EnginePlace
 from pagellm.logger import init_logger
 from pagellm.request import Request, RequestStatus, child_request_id
 

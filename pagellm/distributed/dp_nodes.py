@@ -29,8 +29,8 @@ from pagellm.distributed.nodes import (NODES_WAIT_ENV, connect_to, new_node_id, 
 from pagellm.distributed.roster import (Doorman, JoinRoster, JoinWait, Refused,
                                         accept_until_complete)
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import (AttachedEngineCoreClient, EnginePlace, StepResult,
-                                        run_engine_core, start_method)
+from pagellm.engine.core_client import AttachedEngineCoreClient, StepResult, run_engine_core
+from pagellm.engine.core_process import EnginePlace, start_method
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -29,7 +29,7 @@ from pagellm.distributed.group import HOST_IP_ENV_VARS
 from pagellm.distributed.ray_executor import (CPUS_PER_RANK_ENV, RayWorker, connect_ray,
                                               cpus_per_rank, forwarded_env)
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import EnginePlace
+from pagellm.engine.core_process import EnginePlace
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -217,7 +217,7 @@ class EngineArgs(ParallelArgs):
 
     def runner_kind(self) -> str:
         """`generate` or `pooling`: which engine serves this model (pagellm.pooling.config)."""
-        from pagellm.model.loader import resolve_model_path
+        from pagellm.model.paths import resolve_model_path
         from pagellm.pooling.config import resolve_runner
 
         return resolve_runner(resolve_model_path(self.model), self.runner, self.convert)

@@ -12,7 +12,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.distributed.config import DataParallelConfig
 from pagellm.engine.client_hub import FrontEndPlace
 from pagellm.engine.core_client import (AddLoRA, AttachedEngineCoreClient, EngineCoreClient,
-                                        EnginePlace, KVCacheReport, RemoveLoRA, StepResult)
+                                        KVCacheReport, RemoveLoRA, StepResult)
+from pagellm.engine.core_process import EnginePlace, StartedCore
 from pagellm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.tokenizer_pool import TokenizerPool
@@ -45,11 +46,14 @@ class AsyncLLM:
     says otherwise (`spawn`, safe in any process; the server asks for `fork`).
     `wait=False` returns once the engine core processes are started; `wait_ready()` then
     waits for their load, so that the server imports its front end meanwhile. `front_end`:
-    this is one of several API server processes, attached to engine cores already started."""
+    this is one of several API server processes, attached to engine cores already started.
+    `started`: the one engine core's process, started already (`pagellm serve` forks it
+    before importing torch)."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = True,
                  default_start: str = "spawn", wait: bool = True,
-                 front_end: FrontEndPlace | None = None) -> None:
+                 front_end: FrontEndPlace | None = None,
+                 started: StartedCore | None = None) -> None:
         self.args = args
         self._log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,10 +61,8 @@ class AsyncLLM:
         self._dead = False
         self._closing = False
         data_parallel = DataParallelConfig.from_args(args)
-        # the ranks behind this server: all of them, or one under an outside load balancer
-        self.engines = list(data_parallel.local_ranks if data_parallel.rank is not None
-                            else range(data_parallel.size))
-        self.client = self._start_client(args, data_parallel, default_start, front_end)
+        self.engines = list(data_parallel.served_ranks)
+        self.client = self._start_client(args, data_parallel, default_start, front_end, started)
         self._front_end = front_end
         self._death_callbacks: list[Callable[[], None]] = []
         self._log_task: asyncio.Task | None = None
@@ -100,15 +102,15 @@ class AsyncLLM:
                                                           engine_stats=engine_stats)]
 
     def _start_client(self, args: EngineArgs, data_parallel: DataParallelConfig,
-                      default_start: str, front_end: FrontEndPlace | None
-                      ) -> "EngineCoreClient | DataParallelCoreClient":
+                      default_start: str, front_end: FrontEndPlace | None,
+                      started: StartedCore | None) -> "EngineCoreClient | DataParallelCoreClient":
         if len(self.engines) == 1 and front_end is not None:
             return AttachedEngineCoreClient(front_end.conns[0], "the server's engine",
                                             self._on_result, self._on_dead)
         if len(self.engines) == 1:
             return EngineCoreClient(args, self._on_result, self._on_dead,
                                     EnginePlace(self.engines[0], data_parallel.size),
-                                    wait=False, default_start=default_start)
+                                    wait=False, default_start=default_start, started=started)
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
         return DataParallelCoreClient(args, data_parallel, self._on_result, self._on_dead,
@@ -117,8 +119,9 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, log_stats: bool = True,
                          default_start: str = "spawn", wait: bool = True,
-                         front_end: FrontEndPlace | None = None) -> "AsyncLLM":
-        return cls(args, log_stats, default_start, wait, front_end)
+                         front_end: FrontEndPlace | None = None,
+                         started: StartedCore | None = None) -> "AsyncLLM":
+        return cls(args, log_stats, default_start, wait, front_end, started)
 
     @property
     def errored(self) -> bool:

@@ -9,8 +9,6 @@ token updates and scheduler stats out.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -22,6 +20,8 @@ from multiprocessing.connection import Connection
 
 from pagellm.core.sched_output import RequestUpdate, SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_process import (EnginePlace, StartedCore, start_core_process,
+                                         start_method)
 from pagellm.engine.input_processor import ModelInfo
 from pagellm.logger import init_logger
 from pagellm.lora.request import LoRARequest
@@ -30,22 +30,6 @@ from pagellm.request import Request, RequestStatus
 
 logger = init_logger(__name__)
 _PROGRESS_SECONDS = 15.0
-START_METHOD_ENV_VARS = ("PAGELLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD")
-
-
-def start_method(default: str = "spawn") -> str:
-    """How the engine core process starts: vLLM's VLLM_WORKER_MULTIPROC_METHOD (or its
-    PAGELLM_ twin) if set, else `default`. `spawn` is safe in any process; `pagellm serve`
-    asks for `fork` where that is safe (see launch.engine_start_method)."""
-    for name in START_METHOD_ENV_VARS:
-        value = os.environ.get(name)
-        if value:
-            if value not in ("fork", "spawn", "forkserver"):
-                raise ValueError(f"{name}={value}: use fork, spawn or forkserver.")
-            return value
-    return default
-
-
 @dataclass
 class CoreReady:
     """Sent once the model is loaded; the tokenizer travels pickled, which is much faster
@@ -55,21 +39,6 @@ class CoreReady:
     model_path: str
     chat_template: str | None
     tokenizer: Any
-
-
-@dataclass(frozen=True)
-class EnginePlace:
-    """Which data parallel rank an engine core is, and its share of its node's cores: the
-    `local_index`-th of the `local_count` engines this node runs."""
-
-    rank: int = 0
-    size: int = 1
-    local_index: int = 0
-    local_count: int = 1
-
-    @property
-    def name(self) -> str:
-        return "EngineCore" if self.size == 1 else f"EngineCore_DP{self.rank}"
 
 
 @dataclass
@@ -237,18 +206,16 @@ class EngineCoreClient:
     """Starts the core process and forwards its step results to `on_result` from a thread.
 
     `wait=False` returns once the process is started, so that several engines load at once;
-    then `wait_ready()` and `start_reading()`."""
+    then `wait_ready()` and `start_reading()`. `started`: a process started already (by
+    `pagellm serve`, before it imported torch)."""
 
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
                  on_dead: Callable[[], None], place: EnginePlace = EnginePlace(),
-                 wait: bool = True, default_start: str = "spawn") -> None:
-        context = multiprocessing.get_context(start_method(default_start))
-        conn, child_conn = context.Pipe()
-        self._process = context.Process(target=run_engine_core, name=place.name, daemon=True,
-                                        args=(child_conn, args, place))
-        self._process.start()
-        child_conn.close()
-        self._attach(conn, on_result, on_dead)
+                 wait: bool = True, default_start: str = "spawn",
+                 started: StartedCore | None = None) -> None:
+        started = started or start_core_process(args, place, start_method(default_start))
+        self._process = started.process
+        self._attach(started.conn, on_result, on_dead)
         if wait:
             self.wait_ready()
             self.start_reading()

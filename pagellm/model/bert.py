@@ -48,10 +48,6 @@ class BertConfig:
         return cls(**{name: config[name] for name in names})
 
 
-def is_bert_config(config: dict[str, Any]) -> bool:
-    return config.get("model_type") == "bert" or "BertModel" in config.get("architectures", [])
-
-
 class _SelfAttention(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()

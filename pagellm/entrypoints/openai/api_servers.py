@@ -37,7 +37,8 @@ from prometheus_client import CollectorRegistry, multiprocess, values
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.client_hub import FrontEndHub, FrontEndPlace
-from pagellm.engine.core_client import EnginePlace, run_engine_core, start_method
+from pagellm.engine.core_client import run_engine_core
+from pagellm.engine.core_process import EnginePlace, start_method
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.api_server import serve
 from pagellm.entrypoints.openai.cli_args import ServerSettings

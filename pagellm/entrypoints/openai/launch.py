@@ -1,21 +1,22 @@
 """`pagellm serve`'s start-up, in the order that brings `/health` up soonest.
 
-The port is bound first (a busy port fails in a second), then the engine core process is
-forked as soon as the modules it needs are imported: torch, the tokenizers, the model code.
-The server imports its HTTP front end (FastAPI, the OpenAI protocol models, the routes)
-while the engine core loads the model on the other core, and only then waits for it. This
-module therefore imports nothing of the front end at its top."""
+The port is bound first (a busy port fails in a second). Then the engine core process is
+forked before torch is imported, as soon as the arguments are parsed: it imports torch and
+the model code and loads the weights on one core while the server imports its own modules
+(torch, transformers, the HTTP front end) on the other, and only then waits for it. This
+module therefore imports neither torch nor the engine at its top."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import socket
+import sys
 
-import torch
-
+from pagellm.distributed.config import DataParallelConfig
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.core_process import (EnginePlace, StartedCore, start_core_process,
+                                         start_method)
 from pagellm.entrypoints.openai.cli_args import ServerSettings
 
 
@@ -24,6 +25,8 @@ def engine_start_method() -> str:
     code already imported, seconds sooner than a fresh interpreter. Safe in `pagellm serve`,
     which has run no torch operation and started no thread yet; not with CUDA, which must
     not be initialised before a fork, and not for engines made inside other programs."""
+    import torch
+
     return "spawn" if torch.cuda.is_available() else "fork"
 
 
@@ -81,11 +84,27 @@ def _serving(settings: ServerSettings, sock: socket.socket):
         from pagellm.entrypoints.openai.pooling_server import serve_pooling
 
         return serve_pooling(settings, sock)
+    started = _start_engine_core_early(settings.engine_args)
+    from pagellm.engine.async_llm import AsyncLLM
+
     engine = AsyncLLM.from_engine_args(settings.engine_args, log_stats=settings.log_stats,
-                                       default_start=engine_start_method(), wait=False)
+                                       default_start=engine_start_method(), wait=False,
+                                       started=started)
     try:
         from pagellm.entrypoints.openai.api_server import serve
     except BaseException:
         engine.shutdown()
         raise
     return serve(settings, sock, engine)
+
+
+def _start_engine_core_early(args: EngineArgs) -> StartedCore | None:
+    """The one engine core of a server, forked before this process imports torch; None where
+    the server runs several (-dp), or where torch is imported already (a server started
+    inside another program), which the usual start then handles."""
+    data_parallel = DataParallelConfig.from_args(args)
+    ranks = data_parallel.served_ranks
+    if "torch" in sys.modules or len(ranks) != 1:
+        return None
+    return start_core_process(args, EnginePlace(ranks[0], data_parallel.size),
+                              start_method("fork"))
