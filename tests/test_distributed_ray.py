@@ -4,9 +4,10 @@ process of its own, so that no Ray state reaches the pytest process), shared by 
 
 - tensor parallelism with Ray placing the ranks: the engine's two ranks on different nodes,
   the same greedy tokens and logits as the single-process engine (tests/ray_two_nodes.py);
-- `-dp 2 -tp 2 -dpb ray`: one engine on each node, each engine's two ranks on its own node,
-  the single-process engine's greedy tokens for concurrent clients, and an engine whose
-  actor dies is a 503 and a non-zero exit."""
+- `-dp 2 -dpl 1 -tp 2 -dpb ray`: rank 0's engine on the head node (the API server's), rank
+  1's on the other, each engine's two ranks on its own node, the single-process engine's
+  greedy tokens for concurrent clients, and an engine whose actor dies is a 503 and a
+  non-zero exit."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_ray_places_each_data_parallel_engine_and_its_ranks_on_a_node(
                  kv_cache_memory=1 << 24)
     expected = [output.outputs[0].text for output in single.generate(
         prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
-    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-tp", "2", "-dpb", "ray",
+    server = RemoteServer(tiny_llama_dir, "-dp", "2", "-dpl", "1", "-tp", "2", "-dpb", "ray",
                           env={"RAY_ADDRESS": ray_cluster[0],
                                "PAGELLM_RAY_CPUS_PER_RANK": "0.5"}, startup_timeout=300)
     try:
@@ -94,7 +95,9 @@ def test_ray_places_each_data_parallel_engine_and_its_ranks_on_a_node(
         engines = _engine_processes(ray_cluster[1])
         raylets = {name: process.ppid() for name, process in engines.items()}
         assert len(raylets) == 4, engines  # two engines, each with its rank 1
-        assert raylets["EngineCore_DP0"] != raylets["EngineCore_DP1"]  # one on each node
+        on_head = {rank: "--head" in psutil.Process(raylets[f"EngineCore_DP{rank}"]).cmdline()
+                   for rank in (0, 1)}
+        assert on_head == {0: True, 1: False}  # -dpl 1: rank 0 on the head node, 1 off it
         cores = sorted(os.sched_getaffinity(0))  # each node's: an engine's, halved
         halves = cores[:len(cores) // 2], cores[len(cores) // 2:len(cores) // 2 * 2]
         assert {name: process.cpu_affinity() for name, process in engines.items()} == {

@@ -11,6 +11,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,7 +21,8 @@ from test_data_parallel import _engine_samples
 from pagellm.distributed import group
 from pagellm.distributed.config import ParallelArgs, bound_cores
 from pagellm.distributed.dp_nodes import EngineClaim, EngineRoster
-from pagellm.distributed.ray_data_parallel import engine_places
+from pagellm.distributed.ray_data_parallel import (NODE_LABEL, RayEngineCores,
+                                                   bundle_selectors, engine_places)
 from pagellm.distributed.roster import NodeRefused
 
 KEY = {"PAGELLM_DIST_AUTHKEY": "test-secret"}
@@ -152,6 +154,49 @@ def test_the_engines_ray_puts_on_one_node_split_its_cores_in_rank_order() -> Non
         range(0, 0), range(0, 4))  # every engine joins the head as a remote one
 
 
+def test_ray_keeps_the_first_dpl_ranks_on_the_head_node() -> None:
+    """-dp 4 -dpl 2 -dpb ray: every engine is still a Ray actor that joins the head; Ray
+    keeps ranks 0-1 on the head's node. -dpl above -dp is one line."""
+    layout = ParallelArgs(data_parallel_size=4, data_parallel_size_local=2,
+                          data_parallel_backend="ray").parallel_config().data_parallel
+    assert (layout.local_ranks, layout.remote_ranks, layout.ray_head_ranks) == (
+        range(0, 0), range(0, 4), 2)
+    with pytest.raises(ValueError) as refused:
+        ParallelArgs(data_parallel_size=2, data_parallel_size_local=3,
+                     data_parallel_backend="ray").parallel_config()
+    assert str(refused.value) == ("data_parallel_size_local 3 (-dpl, the ranks Ray keeps on "
+                                  "the head node) is above data_parallel_size 2.")
+
+
+def test_ray_pins_the_head_ranks_placement_groups_by_node_label(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """-dp 2 -dpl 1 -tp 2: rank 0's bundles on the head's node, rank 1's on any other; when Ray
+    places only some in time, the line says how many and that -dpl pins them."""
+    monkeypatch.delenv("PAGELLM_RAY_CPUS_PER_RANK", raising=False)
+    selectors: list[list[dict[str, str]] | None] = []
+
+    def placement_group(bundles: list, strategy: str,
+                        bundle_label_selector: list[dict[str, str]] | None) -> SimpleNamespace:
+        selectors.append(bundle_label_selector)
+        return SimpleNamespace(ready=lambda: len(selectors))
+
+    cores = RayEngineCores.__new__(RayEngineCores)  # no Ray: only what _reserve asks of it
+    cores.head_node = "head-id"
+    cores.ray = SimpleNamespace(util=SimpleNamespace(placement_group=placement_group),
+                                wait=lambda refs, num_returns, timeout: (refs[:1], refs[1:]),
+                                cluster_resources=lambda: {"CPU": 2.0})
+    layout = ParallelArgs(data_parallel_size=2, data_parallel_size_local=1,
+                          data_parallel_backend="ray").parallel_config().data_parallel
+    with pytest.raises(ValueError) as refused:
+        cores._reserve(layout, 2)
+    assert selectors == [[{NODE_LABEL: "head-id"}] * 2, [{NODE_LABEL: "!head-id"}] * 2]
+    assert str(refused.value) == (
+        "Ray placed 1 of 2 data parallel engines within 60 s: each needs 2 x 1 CPU "
+        "(PAGELLM_RAY_CPUS_PER_RANK per rank) on one node, 1 of them on the head node (-dpl), "
+        "and the cluster has 2 CPUs; add nodes with `ray start --address`.")
+    assert bundle_selectors(0, None, "head-id", 2) is None  # without -dpl, Ray picks
+
+
 def test_an_api_server_only_head_waits_for_every_rank() -> None:
     config = ParallelArgs(data_parallel_size=4, data_parallel_size_local=0).parallel_config()
     assert (config.data_parallel.local_ranks, config.data_parallel.remote_ranks) == (
@@ -171,8 +216,10 @@ def test_an_api_server_only_head_waits_for_every_rank() -> None:
                                                                "--headless"),
     ({"data_parallel_backend": "ray", "data_parallel_size_local": 2, "headless": True},
      "data_parallel_backend 'ray' places every engine on the Ray cluster's nodes itself: "
-     "leave out -dpl, --headless."),
+     "leave out --headless."),
     ({"data_parallel_backend": "ray", "data_parallel_rank": 1}, "leave out -dpn."),
+    ({"data_parallel_backend": "ray", "data_parallel_start_rank": 2,
+      "data_parallel_size_local": 2}, "leave out -dpr."),
     ({"data_parallel_backend": "ray", "api_server_count": 2},
      "api_server_count 2 with data_parallel_backend 'ray' is not supported"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},

@@ -30,7 +30,8 @@ _FLAGS: dict[str, tuple[str | None, str]] = {
     "pipeline_parallel_size": ("-pp", "split the layers into this many stages"),
     "data_parallel_size": ("-dp", "independent engine replicas behind one API server"),
     "data_parallel_size_local": ("-dpl", "data parallel ranks on this node (default: all "
-                                         "from -dpr on; 0 on the head: API server only)"),
+                                         "from -dpr on; 0 on the head: API server only; "
+                                         "-dpb ray: the first ones, on the head's Ray node)"),
     "data_parallel_start_rank": ("-dpr", "first data parallel rank of this node (a "
                                          "--headless one)"),
     "data_parallel_rank": ("-dpn", "this process is exactly this data parallel rank "
@@ -121,6 +122,7 @@ class DataParallelConfig:
     rpc_port: int = DEFAULT_DP_RPC_PORT
     headless: bool = False
     backend: str = "mp"  # ray: every rank is a Ray actor that joins the head (size_local 0)
+    ray_head_ranks: int | None = None  # -dpb ray -dpl L: ranks 0..L-1 on the head's Ray node
 
     @property
     def local_ranks(self) -> range:
@@ -148,7 +150,8 @@ class DataParallelConfig:
             args.data_parallel_size_local
         if args.data_parallel_backend == "ray" and size > 1:
             _check_ray_layout(args)
-            return cls(size, 0, 0, None, args.data_parallel_address, 0, False, "ray")
+            return cls(size, 0, 0, None, args.data_parallel_address, 0, False, "ray",
+                       args.data_parallel_size_local)
         if args.data_parallel_rank is not None:
             _check_external_rank(args)
         elif start + local > size:
@@ -164,14 +167,18 @@ class DataParallelConfig:
 
 
 def _check_ray_layout(args: ParallelArgs) -> None:
-    """-dpb ray: Ray places every engine, so the flags that place them by hand do not apply."""
-    by_hand = {"-dpl": args.data_parallel_size_local is not None,
-               "-dpr": args.data_parallel_start_rank > 0,
+    """-dpb ray: Ray places every engine, from the head's one command, so the flags of the
+    other nodes' commands do not apply; -dpl only says how many stay on the head's node."""
+    by_hand = {"-dpr": args.data_parallel_start_rank > 0,
                "-dpn": args.data_parallel_rank is not None, "--headless": args.headless}
     given = [flag for flag, set_ in by_hand.items() if set_]
     if given:
         raise ValueError(f"data_parallel_backend 'ray' places every engine on the Ray "
                          f"cluster's nodes itself: leave out {', '.join(given)}.")
+    local, size = args.data_parallel_size_local, args.data_parallel_size
+    if local is not None and local > size:
+        raise ValueError(f"data_parallel_size_local {local} (-dpl, the ranks Ray keeps on the "
+                         f"head node) is above data_parallel_size {size}.")
 
 
 def _check_external_rank(args: ParallelArgs) -> None:

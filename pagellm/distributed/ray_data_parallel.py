@@ -3,9 +3,11 @@ placed across the nodes of a Ray cluster by one command on the head.
 
 Each rank gets a placement group of its own: one bundle per tensor x pipeline rank
 (`PAGELLM_RAY_CPUS_PER_RANK` CPUs each, default 1), all on one node (STRICT_PACK), so that an
-engine's ranks talk over that node's loopback; Ray picks the node. The engine core's actor
-runs in bundle 0 next to its rank 0, and with `-tp`/`-pp` the Ray executor puts the other
-ranks in the group's other bundles. The actor runs the same engine core loop as a
+engine's ranks talk over that node's loopback. Ray picks the node; with `-dpl L` (vLLM's
+`-dp 4 -dpl 2 -dpb ray`), ranks 0..L-1 go to the head's node (the API server's) and the
+others to any other node, by the `ray.io/node-id` label Ray gives every node. The engine
+core's actor runs in bundle 0 next to its rank 0, and with `-tp`/`-pp` the Ray executor puts
+the other ranks in the group's other bundles. The actor runs the same engine core loop as a
 `--headless` node's engine process: it connects back to the head over TCP, passes the
 challenge (a random key made for this run) and serves the head through that socket, so the
 API server talks to it exactly as to a remote engine of `-dpl`/`-dpa` (its death closes the
@@ -34,6 +36,16 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 PLACEMENT_SECONDS = 60.0
+NODE_LABEL = "ray.io/node-id"  # Ray labels every node with its id; "!id": any other node
+
+
+def bundle_selectors(rank: int, head_ranks: int | None, head_node: str,
+                     world: int) -> list[dict[str, str]] | None:
+    """The label selectors of rank `rank`'s `world` bundles: on the head's node for the first
+    `head_ranks` ranks (-dpl), on any other for the rest; None without -dpl (Ray picks)."""
+    if head_ranks is None:
+        return None
+    return [{NODE_LABEL: head_node if rank < head_ranks else f"!{head_node}"}] * world
 
 
 def engine_places(nodes: list[str]) -> list[EnginePlace]:
@@ -55,31 +67,35 @@ class RayEngineCores:
         self.ray = connect_ray("data_parallel_backend 'ray'")
         self.workers: list[RayWorker] = []
         self.groups: list[Any] = []  # Ray's PlacementGroup, by rank
+        self.head_node: str = self.ray.get_runtime_context().get_node_id()  # the API server's
         # the actors reach the head at the address Ray knows this node by, unless -dpa
         host = (config.address if config.address != DEFAULT_DP_ADDRESS
                 else self.ray.util.get_node_ip_address())
         self.head = HeadSocket(socket.create_server((host, 0)), secrets.token_bytes(32))
         try:
-            self._reserve(config.size, args.tensor_parallel_size * args.pipeline_parallel_size)
+            self._reserve(config, args.tensor_parallel_size * args.pipeline_parallel_size)
             self._start(args)
         except BaseException:
             self.head.server.close()
             self.shutdown()
             raise
 
-    def _reserve(self, size: int, world: int) -> None:
-        cpus = cpus_per_rank()
-        self.groups = [self.ray.util.placement_group([{"CPU": cpus}] * world,
-                                                     strategy="STRICT_PACK")
-                       for _ in range(size)]
+    def _reserve(self, config: DataParallelConfig, world: int) -> None:
+        cpus, size, on_head = cpus_per_rank(), config.size, config.ray_head_ranks
+        self.groups = [self.ray.util.placement_group(
+            [{"CPU": cpus}] * world, strategy="STRICT_PACK",
+            bundle_label_selector=bundle_selectors(rank, on_head, self.head_node, world))
+            for rank in range(size)]
         ready, _ = self.ray.wait([group.ready() for group in self.groups], num_returns=size,
                                  timeout=PLACEMENT_SECONDS)
         if len(ready) < size:
             total = self.ray.cluster_resources().get("CPU", 0)
+            pinned = "" if on_head is None else f", {on_head} of them on the head node (-dpl)"
             raise ValueError(f"Ray placed {len(ready)} of {size} data parallel engines within "
                              f"{PLACEMENT_SECONDS:g} s: each needs {world} x {cpus:g} CPU "
-                             f"({CPUS_PER_RANK_ENV} per rank) on one node, and the cluster "
-                             f"has {total:g} CPUs; add nodes with `ray start --address`.")
+                             f"({CPUS_PER_RANK_ENV} per rank) on one node{pinned}, and the "
+                             f"cluster has {total:g} CPUs; add nodes with `ray start "
+                             f"--address`.")
 
     def _start(self, args: EngineArgs) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -98,8 +114,8 @@ class RayEngineCores:
             result = actor.run.remote(self.head.address, self.head.authkey, claim, args,
                                       place, env)
             self.workers.append(RayWorker(self.ray, actor, result))
-        logger.info("Ray placed %d data parallel engines on %d node(s)", len(nodes),
-                    len(set(nodes)))
+        logger.info("Ray placed %d data parallel engines on %d node(s), %d on the head node",
+                    len(nodes), len(set(nodes)), nodes.count(self.head_node))
 
     def check(self) -> None:
         """Raises if an engine's actor ended before it joined the head."""
