@@ -20,8 +20,12 @@ inline int64_t input_chunk(int64_t k) {
   return (k / kGroup + chunks - 1) / chunks * kGroup;
 }
 
-// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp): writes y and returns true,
-// or returns false where this build or the OS has no tiles.
+// Whether quantized_linear_int8_amx multiplies: this build has AMX-INT8, the OS grants the
+// tiles and PAGELLM_AMX is not 0.
+bool int8_tiles_permitted();
+
+// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for panels of a code per
+// byte: writes y and returns true, or returns false where int8_tiles_permitted is not.
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros);
 

@@ -12,6 +12,8 @@
 // 4-bit codes (uint8 panels) take the signed x unsigned product, 8-bit ones (int8) the
 // signed x signed one. The OS must grant the tiles' state once per process (arch_prctl);
 // where it does not, the CPU has no AMX, or PAGELLM_AMX=0, the AVX2 kernel runs instead.
+// The tiles load a code per byte: where they run, 4-bit codes are not packed two per byte
+// (Python's int8_tiles_available), and packed panels go to the AVX2 kernel.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -130,6 +132,8 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 
 }  // namespace
 
+bool int8_tiles_permitted() { return tiles_permitted(); }
+
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros) {
   if (!tiles_permitted()) return false;
@@ -142,6 +146,8 @@ bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Ten
 #else
 
 namespace pagellm::quantized {
+
+bool int8_tiles_permitted() { return false; }
 
 bool quantized_linear_int8_amx(at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&) {

@@ -16,18 +16,25 @@
 // at once (vpmaddwd). That is twice the instructions of 4-bit codes, still fewer cycles
 // than float32 FMAs.
 //
-// The codes come in panels of 16 output features, unpacked at load time into the bytes
-// vpmaddubsw wants (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16
-// features' 4 codes side by side (two vectors). Register tiles of 4 rows x 16 features
-// keep their sums in registers for a whole group. The rounded activations are stored
-// interleaved by tile (4 inputs of each of the tile's rows in turn), so a tile reads one
-// stream rather than four.
+// The codes come in panels of 16 output features, laid out at load time as vpmaddubsw wants
+// them (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16 features' 4
+// codes side by side (two vectors, features 0-7 then 8-15). Register tiles of 4 rows x 16
+// features keep their sums in registers for a whole group. The rounded activations are
+// stored interleaved by tile (4 inputs of each of the tile's rows in turn), so a tile reads
+// one stream rather than four.
+//
+// 4-bit codes are stored two per byte where the AMX kernel does not multiply them (its tile
+// loads take the bytes as stored): a decode step reads every weight once for a row or a
+// few, so its time is the weights' bytes, and a byte per code read twice llama.cpp's. The
+// second vector (features 8-15) sits in the high nibbles of the first's bytes; a mask and a
+// shift restore both vectors exactly, so the sums and results are those of the bytes.
 //
 // panels: [P, K / 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit codes), panels[p, g, j,
-// f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); scales, zeros: [P,
-// K / G, 16] float32, a group's scale and zero - offset * scale (0 past N), per group of
-// G = 32 inputs, or 16 (Q6_K): each half of the 32 then sums and scales on its own, with its
-// half of the activations' sum.
+// f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); or, 4-bit codes two per
+// byte, [P, K / 32, 8, 32] uint8, byte i of (p, g, j) = panels[p, g, j, i / 4, i % 4] |
+// panels[p, g, j, 8 + i / 4, i % 4] << 4. scales, zeros: [P, K / G, 16] float32, a group's
+// scale and zero - offset * scale (0 past N), per group of G = 32 inputs, or 16 (Q6_K): each
+// half of the 32 then sums and scales on its own, with its half of the activations' sum.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -57,12 +64,38 @@ inline GroupPlace tile_interleaved(int64_t k, int64_t row, int64_t group) {
           (tile * (k / kGroup) + group) * kInt8TileRows + r};
 }
 
-// One panel of the prepacked tensors.
+// How a panel stores the codes of 4 consecutive inputs of its 16 features, and how they come
+// into the two vectors vpmaddubsw multiplies (features 0-7, then 8-15): a byte per code
+// (uint8: 4-bit, int8: 8-bit) ...
 template <typename Code>
+struct CodeBytes {
+  using Byte = Code;
+  static constexpr int64_t kBytes = 64;  // per 4 inputs of the 16 features
+  static void load(const Byte* codes, __m256i& w0, __m256i& w1) {
+    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32));
+  }
+};
+
+// ... or 4-bit codes two per byte, features 8-15 in the high nibbles: half the bytes to read,
+// for a mask and a shift (of 16-bit lanes: AVX2 shifts no bytes) to unpack them.
+struct CodeNibbles {
+  using Byte = uint8_t;
+  static constexpr int64_t kBytes = 32;
+  static void load(const Byte* codes, __m256i& w0, __m256i& w1) {
+    const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    w0 = _mm256_and_si256(both, low);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
+  }
+};
+
+// One panel of the prepacked tensors.
+template <typename Codes>
 struct Int8Panel {
-  const Code* codes;     // [K / 32, 8, 16, 4]
-  const float* scales;   // [K / 32, 16]
-  const float* zeros;    // [K / 32, 16]
+  const typename Codes::Byte* codes;  // [K / 32, 8, Codes::kBytes]
+  const float* scales;                // [K / 32, 16]
+  const float* zeros;                 // [K / 32, 16]
 };
 
 // out[16] += a group's integer sums (int32, 8 features each) scaled by the panel's scale
@@ -91,17 +124,19 @@ inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // One group of a tile: sums[r][h] = the int32 sums of row r's products with features
 // 8h..8h+7, over inputs 4 * kFirst .. 4 * kLast of the 32 in `codes` and `inputs`.
-template <typename Code, int kFirst, int kLast>
-__attribute__((always_inline)) inline void group_sums(const Code* codes, const int8_t* inputs,
+template <typename Codes, int kFirst, int kLast>
+__attribute__((always_inline)) inline void group_sums(const typename Codes::Byte* codes,
+                                                      const int8_t* inputs,
                                                       __m256i (&sums)[kInt8TileRows][2]) {
   constexpr int R = kInt8TileRows;
+  constexpr bool kUnsigned = std::is_same_v<typename Codes::Byte, uint8_t>;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int j = kFirst; j < kLast; ++j) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + 32));
-    if constexpr (std::is_same_v<Code, uint8_t>) {  // int16 sums, widened once per group
+    __m256i w0, w1;
+    Codes::load(codes + j * Codes::kBytes, w0, w1);
+    if constexpr (kUnsigned) {  // int16 sums, widened once per group
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256i b = broadcast4(inputs + (j * R + r) * 4);
@@ -124,7 +159,7 @@ __attribute__((always_inline)) inline void group_sums(const Code* codes, const i
       }
     }
   }
-  if constexpr (std::is_same_v<Code, uint8_t>) {
+  if constexpr (kUnsigned) {
     for (int r = 0; r < R; ++r) {
       sums[r][0] = _mm256_madd_epi16(sums[r][0], ones);
       sums[r][1] = _mm256_madd_epi16(sums[r][1], ones);
@@ -134,9 +169,9 @@ __attribute__((always_inline)) inline void group_sums(const Code* codes, const i
 
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
 // panel's 16 features. Inlined: a call per tile and chunk cost about 5%.
-template <typename Code, int kGroupSize>
+template <typename Codes, int kGroupSize>
 __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
-                                                     int64_t k, const Int8Panel<Code>& panel,
+                                                     int64_t k, const Int8Panel<Codes>& panel,
                                                      int64_t g0, int64_t g1, float* out) {
   constexpr int R = kInt8TileRows;
   const int64_t groups = k / kGroup;
@@ -146,10 +181,10 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
   for (int64_t g = g0; g < g1; ++g) {
     __m256i sums[R][2];
-    const Code* codes = panel.codes + g * 8 * 64;
+    const typename Codes::Byte* codes = panel.codes + g * 8 * Codes::kBytes;
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
-      group_sums<Code, 0, 8>(codes, inputs, sums);
+      group_sums<Codes, 0, 8>(codes, inputs, sums);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         add_group(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
@@ -163,17 +198,18 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
                     panel.scales + half * kPanel, panel.zeros + half * kPanel, out + r * kPanel);
         }
       };
-      group_sums<Code, 0, 4>(codes, inputs, sums);
+      group_sums<Codes, 0, 4>(codes, inputs, sums);
       add_half(0);
-      group_sums<Code, 4, 8>(codes, inputs, sums);
+      group_sums<Codes, 4, 8>(codes, inputs, sums);
       add_half(1);
     }
   }
 }
 
-template <int kGroupSize, typename T, typename Code>
-void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
-         const float* panel_scales, const float* panel_zeros) {
+template <int kGroupSize, typename Codes, typename T>
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
+         const typename Codes::Byte* panel_codes, const float* panel_scales,
+         const float* panel_zeros) {
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
@@ -187,13 +223,13 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
       const int64_t block = std::min(block_rows, padded - m0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        const Int8Panel<Code> panel{panel_codes + p * kPanel * k,
+        const Int8Panel<Codes> panel{panel_codes + p * (k / kGroup) * 8 * Codes::kBytes,
                                     panel_scales + p * scale_groups * kPanel,
                                     panel_zeros + p * scale_groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile<Code, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
+            int8_tile<Codes, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
                                         std::min(groups, g0 + chunk), out.data() + t * kPanel);
           }
         }
@@ -207,6 +243,22 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
   });
 }
 
+// Calls run<kGroupSize> with the panels' codes: bytes, or `nibbles` (4-bit codes two per
+// byte).
+template <int kGroupSize>
+void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
+              const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
+  auto run_on = [nibbles](auto* out, const auto* in, int64_t m, int64_t k, int64_t n,
+                          const auto* codes, const float* s, const float* z) {
+    using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
+    if constexpr (std::is_same_v<Code, uint8_t>) {
+      if (nibbles) return run<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
+    }
+    run<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
+  };
+  dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
+}
+
 // y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see the top.
 void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& panels,
                            const at::Tensor& scales, const at::Tensor& zeros) {
@@ -215,11 +267,13 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
               "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
   const int64_t k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
   const bool signed_codes = panels.scalar_type() == at::kChar;
+  const bool nibbles = !signed_codes && 2 * panels.numel() == count * kPanel * k;
   TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() &&
                   (signed_codes || panels.scalar_type() == at::kByte) &&
-                  panels.numel() == count * kPanel * k,
+                  (nibbles || panels.numel() == count * kPanel * k),
               "quantized_linear_int8: panels must be uint8 (4-bit codes) or int8 (8-bit codes) "
-              "[ceil(N / 16), K / 32, 8, 16, 4]");
+              "[ceil(N / 16), K / 32, 8, 16, 4], or uint8 [ceil(N / 16), K / 32, 8, 32] (4-bit "
+              "codes two per byte)");
   const int64_t group = scales.numel() == count * (k / kGroup) * kPanel ? kGroup : kHalfGroup;
   for (const at::Tensor* t : {&scales, &zeros}) {
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
@@ -228,21 +282,23 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                 "[ceil(N / 16), K / 32 or K / 16, 16]");
   }
   if (group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
-    dispatch_int8_panels(y, x, panels, scales, zeros,
-                         [](auto... args) { run<kHalfGroup>(args...); });
+    multiply<kHalfGroup>(y, x, panels, scales, zeros, nibbles);
     return;
   }
-  if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
-  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run<kGroup>(args...); });
+  // the tiles load a code per byte
+  if (!nibbles && quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
+  multiply<kGroup>(y, x, panels, scales, zeros, nibbles);
 }
 
 }  // namespace
 }  // namespace pagellm::quantized
 
-// Registered only where it is compiled: Python checks for the op (int8_matmul_available).
+// Registered only where it is compiled: Python checks for the op (int8_matmul_available),
+// and whether the AMX kernel multiplies byte panels (int8_tiles_available).
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear_int8(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
         "Tensor zeros) -> ()");
+  m.def("int8_tiles_permitted() -> bool", &pagellm::quantized::int8_tiles_permitted);
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
