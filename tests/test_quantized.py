@@ -21,7 +21,8 @@ from test_models import PagedCache, greedy_decode
 from tiny_models import write_tiny_gguf
 
 import pagellm.model.quantized as quantized_module
-from pagellm.kernels import cpu_kernels_available, int8_matmul_available
+from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, int8_tiles_available,
+                             quantized_linear_int8)
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.llama import LlamaForCausalLM
@@ -142,6 +143,43 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
     if tokens >= 12:  # and the rounding is visible
         assert (got.float() - x.float() @ weight.dequantize().T).abs().max() > 1e-3
+
+
+@needs_int8
+@pytest.mark.parametrize("rows,cols,group_size,with_zeros",
+                         [(203, 288, 32, True), (37, 2048, 32, False), (5, 32, 32, True),
+                          (250, 96, 16, True)], ids=["Q4_1", "Q4_0-2048", "one-group", "halves"])
+def test_4_bit_codes_two_per_byte_give_the_results_of_a_byte_each(
+        rows: int, cols: int, group_size: int, with_zeros: bool) -> None:
+    """Unpacked in registers, codes two per byte are the very vectors of a code per byte (the
+    AMX kernel's, where it runs): every result equal to the bit, from 1 row to 70 (tiles of
+    4, whole and partial, and a partial panel of features), and within float32's sums of the
+    product with the int8-rounded activations. Groups of 16: the kernel's half groups."""
+    weight = random_weight(4, rows, cols, with_zeros, group_size)
+    one, two = weight.int8_panels(nibbles=False), weight.int8_panels(nibbles=True)
+    assert two.codes.dtype == torch.uint8 and 2 * two.codes.numel() == one.codes.numel()
+    reference = weight.as_8_bit().dequantize()  # 8-bit codes take the scales' group size
+    generator = torch.Generator().manual_seed(rows)
+    for dtype, tolerance in ((torch.float32, {"atol": 1e-4, "rtol": 1e-5}),
+                             (torch.bfloat16, {"atol": 2e-2, "rtol": 1e-2})):
+        for tokens in range(1, 71):
+            x = torch.randn(tokens, cols, generator=generator).to(dtype)
+            got = quantized_linear_int8(x, two.codes, two.scales, two.zeros, rows)
+            assert torch.equal(got, quantized_linear_int8(x, one.codes, one.scales, one.zeros,
+                                                          rows)), (dtype, tokens)
+            torch.testing.assert_close(got.float(), rounded_to_int8(x) @ reference.T,
+                                       **tolerance)
+
+
+@needs_int8
+def test_layers_keep_4_bit_codes_two_per_byte_unless_amx_tiles_multiply_them() -> None:
+    """A decode step reads every weight: half the bytes of a code each. The tiles load bytes
+    as stored, so where they run 4-bit panels keep a byte per code; 8-bit ones always do."""
+    for bits, per_byte in ((4, 1 if int8_tiles_available() else 2), (8, 1)):
+        layer = Linear(288, 203, bias=False)
+        layer.attach_batch_invariant(random_weight(bits, 203, 288, True), int8_activations=True)
+        assert layer.int8_panels is not None
+        assert layer.int8_panels.codes.numel() * per_byte == 208 * 288
 
 
 AVX2_INT8_PRODUCTS = """

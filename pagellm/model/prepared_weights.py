@@ -6,7 +6,8 @@ projection's codes are rearranged into the int8 kernel's panels. None of it depe
 anything but the file, the dtype, the chosen forms and the code that lays them out, so the
 result is written once to a safetensors file under pagellm's cache directory and read back
 by later starts, tensors and all, without opening the GGUF again. The key changes with the
-file's path, size and modification time, the dtype, the forms, the libraries' versions and
+file's path, size and modification time, the dtype, the forms (and whether 4-bit panels hold
+two codes per byte, which PAGELLM_AMX changes on a CPU with AMX), the libraries' versions and
 the source of the modules that lay the weights out; a stale or unreadable entry is rebuilt.
 """
 
@@ -27,7 +28,7 @@ from torch import nn
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.quantized import GroupQuantWeight, Int8Panels, Linear
+from pagellm.model.quantized import GroupQuantWeight, Int8Panels, Linear, nibble_panels
 from pagellm.tokenizer import pagellm_cache_dir
 
 logger = init_logger(__name__)
@@ -45,7 +46,7 @@ def prepared_path(gguf_path: Path, dtype: torch.dtype, int8_activations: bool) -
     for name in _LAYOUT_SOURCES:
         digest.update((here / name).read_bytes())
     key = (f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{int8_activations}|"
-           f"{torch.__version__}|{importlib.metadata.version('gguf')}|"
+           f"{nibble_panels()}|{torch.__version__}|{importlib.metadata.version('gguf')}|"
            f"{digest.hexdigest()}")
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
     return pagellm_cache_dir() / "prepared" / f"{name}.safetensors"

@@ -13,7 +13,8 @@ With int8 activations (the engine's default for GGUF files), a large step multip
 the codes with its activations rounded to int8 per 32 inputs, as llama.cpp does: on
 AVX2, twice float32's multiply-adds per cycle for 4-bit codes, about 1.2x for 8-bit
 ones; no longer exactly the dequantized model. Those layers also keep their codes
-unpacked into the int8 kernel's panels. Whether they also need float weights is measured
+rearranged into the int8 kernel's panels (4-bit ones two per byte, as the file holds them,
+except where AMX tiles multiply them). Whether they also need float weights is measured
 before any are loaded (`int8_beats_dense`): on an AVX2 CPU the int8 path wins at every
 step size, so the layers keep nothing else (the float weights would be 4-8x their
 bytes); on a CPU whose bf16 matmul runs on AMX tiles (2.9 TFLOP/s on two cores, 7x the
@@ -42,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
-                             quantized_linear_bf16_tiles, quantized_linear_int8)
+from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, int8_tiles_available,
+                             quantized_linear, quantized_linear_bf16_tiles, quantized_linear_int8)
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight, packed_linear
 
 CODE_BLOCK = 32  # inputs the kernels widen and lay out together: one scale or two
@@ -139,11 +140,17 @@ class GroupQuantWeight:
         halves = self.codes.reshape(rows, cols // CODE_BLOCK, 2, CODE_BLOCK // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
-    def int8_panels(self) -> Int8Panels:
-        """The codes as the int8 kernel reads them (see Int8Panels)."""
+    def int8_panels(self, nibbles: bool | None = None) -> Int8Panels:
+        """The codes as the int8 kernel reads them (see Int8Panels): 4-bit codes two per byte
+        if `nibbles`, by default wherever AMX tiles do not multiply them (nibble_panels)."""
+        nibbles = nibble_panels() if nibbles is None else nibbles
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
-        return Int8Panels(codes.permute(0, 2, 3, 1, 4).contiguous(), *self._panel_factors())
+        codes = codes.permute(0, 2, 3, 1, 4)  # [P, in // 32, 8, 16, 4]
+        if self.bits == 4 and nibbles:
+            halves = codes.reshape(*codes.shape[:3], 2, -1)  # features 0-7, then 8-15
+            codes = halves[..., 0, :] | (halves[..., 1, :] << 4)
+        return Int8Panels(codes.contiguous(), *self._panel_factors())
 
     def bf16_tiles(self) -> Bf16Tiles:
         """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
@@ -176,14 +183,27 @@ def _by_panel(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, panels * PANEL_SIZE - t.shape[0])).reshape(panels, PANEL_SIZE, -1)
 
 
+def nibble_panels() -> bool:
+    """Whether int8 panels hold 4-bit codes two per byte: a decode step's time is the bytes
+    of weights it reads. Not where AMX tiles multiply them, which load a code per byte."""
+    return not int8_tiles_available()
+
+
 @dataclasses.dataclass
 class Int8Panels:
     """A matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
     codes[p, g, j, f, b] = code of row 16p + f for input 32g + 4j + b; per group, each
     row's scale and zero - offset * scale, so that w = code * scale + (zero - offset *
-    scale), per group of G = 32 or 16 inputs (the weight's group size)."""
+    scale), per group of G = 32 or 16 inputs (the weight's group size).
 
-    codes: torch.Tensor  # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit)
+    4-bit codes may be two per byte (GroupQuantWeight.int8_panels' `nibbles`): then
+    codes[p, g, j, i] = code[p, g, j, i // 4, i % 4] | code[p, g, j, 8 + i // 4, i % 4] << 4,
+    features 8-15 in the high nibbles of features 0-7's bytes. The kernel tells the two
+    apart by the number of bytes."""
+
+    # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit), or [P, in // 32, 8, 32]
+    # uint8 (4-bit codes two per byte)
+    codes: torch.Tensor
     scales: torch.Tensor  # [P, in // G, 16] float32
     zeros: torch.Tensor  # [P, in // G, 16] float32
 
