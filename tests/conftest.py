@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random HF models (built once per session) and the embedded GGUF,
-with its float32 loads (pagellm's and transformers', see smollm2_reference.py)."""
+with its float32 loads (pagellm's and transformers', see smollm2_reference.py), and the
+servers that several files start with the same flags (shared_servers.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from server_utils import RemoteServer
+from shared_servers import release_after, shared_server
 from smollm2_reference import TransformersReference
 from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
@@ -86,3 +89,25 @@ def smollm2_transformers(smollm2_gguf: Path,
     from test_models import transformers_gguf_model
 
     return TransformersReference(*transformers_gguf_model(smollm2_gguf, smollm2_float32.arch))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    release_after(item)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
+    yield from shared_server("tiny_server", tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
+    yield from shared_server("hermes_server", tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm_server() -> Iterator[RemoteServer]:
+    from rag_utils import minilm_path
+
+    yield from shared_server("minilm_server", minilm_path())
