@@ -1,15 +1,24 @@
-"""Shared fixtures: tiny random HF models (built once per session) and the embedded GGUF."""
+"""Shared fixtures: tiny random HF models (built once per session) and the embedded GGUF,
+with its float32 loads (pagellm's and transformers', see smollm2_reference.py), and the
+servers that several files start with the same flags (shared_servers.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from server_utils import RemoteServer
+from shared_servers import release_after, shared_server
+from smollm2_reference import TransformersReference
 from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
 from pagellm.model.paths import default_model_path
+
+if TYPE_CHECKING:
+    from pagellm.model.loader import LoadedModel
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,3 +68,46 @@ def smollm2_gguf() -> Path:
         return default_model_path()
     except ValueError as error:
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32(smollm2_gguf: Path) -> LoadedModel:
+    """pagellm's float32 load of the embedded GGUF, shared: read it, change a copy."""
+    import torch
+
+    from pagellm.model.loader import load_model
+
+    loaded = load_model(None, torch.float32, torch.device("cpu"))
+    assert loaded.path == smollm2_gguf
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf: Path,
+                         smollm2_float32: LoadedModel) -> TransformersReference:
+    """transformers' float32 model of the embedded GGUF, shared with its greedy answers."""
+    from test_models import transformers_gguf_model
+
+    return TransformersReference(*transformers_gguf_model(smollm2_gguf, smollm2_float32.arch))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    release_after(item)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
+    yield from shared_server("tiny_server", tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
+    yield from shared_server("hermes_server", tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm_server() -> Iterator[RemoteServer]:
+    from rag_utils import minilm_path
+
+    yield from shared_server("minilm_server", minilm_path())

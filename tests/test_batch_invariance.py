@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from pagellm import LLM, SamplingParams
+from smollm2_reference import TransformersReference
 
-from test_models import reference_greedy, transformers_gguf_model
+from pagellm import LLM, SamplingParams
 
 STEPS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=20, ignore_eos=True)
@@ -138,11 +138,10 @@ def test_seeded_sampling_reproduces_in_any_batch(llm: LLM, prompts):
     assert mixed == expected
 
 
-def test_float32_is_the_exact_dequantized_model(smollm2_gguf):
+def test_float32_is_the_exact_dequantized_model(smollm2_transformers: TransformersReference):
     exact = default_llm(dtype="float32")
     loaded = exact.engine.core.loaded
     assert all(m.int8_panels is None for m in loaded.model.modules() if hasattr(m, "int8_panels"))
-    ref, _ = transformers_gguf_model(smollm2_gguf, loaded.arch)
     tokenizer = exact.get_tokenizer()
     chat = exact.engine.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}])
@@ -152,5 +151,5 @@ def test_float32_is_the_exact_dequantized_model(smollm2_gguf):
     params = SamplingParams(temperature=0.0, max_tokens=24)
     ours = [o.outputs[0].token_ids for o in exact.generate(prompts, params, use_tqdm=False)]
     for tokens, prompt in zip(ours, prompts):
-        assert tokens == reference_greedy(ref, prompt, 24)
+        assert tokens == smollm2_transformers.greedy(prompt, 24)
     assert "Paris" in tokenizer.decode(ours[0])

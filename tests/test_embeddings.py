@@ -4,7 +4,6 @@ converted to embeddings, and /v1/embeddings, /score, /rerank through real client
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,10 +33,10 @@ def engine(minilm: Path) -> PoolingEngine:
 
 
 @pytest.fixture(scope="module")
-def server(minilm: Path) -> Iterator[RemoteServer]:
-    remote = RemoteServer(minilm, "--max-model-len", "256", "--served-model-name", "minilm")
-    yield remote
-    remote.stop()
+def server(minilm_server: RemoteServer) -> RemoteServer:
+    """all-MiniLM-L6-v2 as "minilm", shared with test_router_classifier.py
+    (shared_servers.py)."""
+    return minilm_server
 
 
 def test_minilm_matches_sentence_transformers(engine: PoolingEngine, minilm: Path) -> None:

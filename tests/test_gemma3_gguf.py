@@ -4,14 +4,23 @@ transformers' own load of the same file: tokenizer, config and greedy tokens in 
 About a minute on two quiet cores: most of it is the two dequantizations of the file and
 the first conversion of its 262k-token vocabulary (then cached). The file is the base
 model, not an instruction-tuned one: its continuations are compared, not judged.
+
+gguf-py reads the vocabulary's 262k strings one field at a time (about 8 s a read), and
+pagellm's load, transformers' conversion of the tokenizer and transformers' reference each
+opened the file with its own GGUFReader: here they share one (`shared_reader`), which
+reads the file only and is never written.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
+from gguf import GGUFReader
 from test_models import assert_matches_reference, transformers_gguf_model
 from transformers import Gemma3TextConfig, PreTrainedModel
 
@@ -37,6 +46,24 @@ def gemma3_gguf() -> Path:
         return resolve_model_path("gemma-3-270m")
     except ValueError as error:
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_reader(gemma3_gguf: Path) -> Iterator[None]:
+    """`gguf.GGUFReader(gemma3_gguf)`, wherever it is called in this module, is one reader
+    (read only, mode "r"); other files get their own."""
+    readers: dict[Path, gguf.GGUFReader] = {}
+
+    def reader(path: os.PathLike | str, mode: str = "r") -> gguf.GGUFReader:
+        if Path(path).resolve() != gemma3_gguf.resolve() or mode != "r":
+            return GGUFReader(path, mode)
+        if gemma3_gguf not in readers:
+            readers[gemma3_gguf] = GGUFReader(path, mode)
+        return readers[gemma3_gguf]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -148,3 +148,4 @@ def test_a_bad_lora_module_stops_the_start(tiny_llama_dir: Path, adapter_root: P
                      "--lora-modules", f"d={adapter_root / 'dora'}", "--port", "0")
     assert result.returncode != 0
     assert "DoRA (use_dora) is not supported" in result.stderr
+    assert "Loading weights" not in result.stderr  # refused before the engine started

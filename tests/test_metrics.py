@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import RemoteServer, assert_clean_shutdown
+from server_utils import RemoteServer
 
 PROMPT = list(range(10, 74))  # 64 token ids: four full blocks of 16
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
-    remote = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny")
-    yield remote
-    assert_clean_shutdown(remote.stop())
+def server(tiny_server: RemoteServer) -> RemoteServer:
+    """The tiny llama as "tiny", shared with test_rag_service.py (shared_servers.py)."""
+    return tiny_server
 
 
 def scrape(server: RemoteServer) -> dict[tuple[str, tuple], float]:

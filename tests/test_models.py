@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from smollm2_reference import TransformersReference
 from tiny_models import BOS_ID, EOS_ID, write_tiny_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -114,16 +117,20 @@ def assert_matches_transformers(model_dir: Path, steps: int = DECODE_STEPS) -> L
 
 
 def assert_matches_reference(loaded: LoadedModel, ref: PreTrainedModel, prompts: list[list[int]],
-                             steps: int, atol: float, block_size: int = 4) -> list[list[int]]:
+                             steps: int, atol: float, block_size: int = 4,
+                             greedy: Callable[[list[int], int], list[int]] | None = None
+                             ) -> list[list[int]]:
     """Prefill `prompts` together (last logits within `atol`), then decode them together
-    (greedy tokens identical up to the reference's EOS); -> the tokens it compared."""
+    (greedy tokens identical up to the reference's EOS); -> the tokens it compared.
+    `greedy(ids, steps)`: the reference's answers (a cache of them), else computed."""
+    greedy = greedy or (lambda ids, count: reference_greedy(ref, ids, count))
     cache = PagedCache(loaded.arch, num_blocks=128 * 4 // block_size, block_size=block_size)
     logits = cache.step(loaded.model, list(enumerate(prompts)))
     for row, ids in zip(logits, prompts):
         torch.testing.assert_close(row, reference_last_logits(ref, ids), atol=atol, rtol=1e-4)
     compared = []
     for ours, ids in zip(greedy_decode(cache, loaded.model, logits, steps), prompts):
-        expected = reference_greedy(ref, ids, steps)
+        expected = greedy(ids, steps)
         assert ours[:len(expected)] == expected
         compared.append(expected)
     return compared
@@ -252,10 +259,11 @@ def transformers_gguf_model(path: Path, arch: ArchConfig,
     return model.eval(), parsed["config"]
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_gguf: Path) -> None:
-    loaded = load_model(None, torch.float32, CPU)
+def test_smollm2_gguf_matches_transformers(smollm2_gguf: Path, smollm2_float32: LoadedModel,
+                                           smollm2_transformers: TransformersReference) -> None:
+    loaded = smollm2_float32
     assert loaded.path == smollm2_gguf and loaded.arch.tie_word_embeddings
-    ref, ref_config = transformers_gguf_model(smollm2_gguf, loaded.arch)
+    ref, ref_config = smollm2_transformers.model, smollm2_transformers.config
     assert {key: getattr(loaded.arch, key) for key in GGUF_CONFIG_KEYS} == {
         key: ref_config[key] for key in GGUF_CONFIG_KEYS}
     tokenizer = loaded.tokenizer
@@ -268,8 +276,10 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf: Path) -> None:
     assert loaded.eos_token_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
     prompts = [ids, tokenizer.encode("The capital of France is")]
-    generated = assert_matches_reference(loaded, ref, prompts, 24, atol=1e-3)
+    generated = assert_matches_reference(loaded, ref, prompts, 24, atol=1e-3,
+                                         greedy=smollm2_transformers.greedy)
     assert tokenizer.decode(generated[1][:2]).strip().startswith("Paris")
 
-    low = PagedCache(loaded.arch, torch.bfloat16).step(loaded.model.to(torch.bfloat16), [(0, ids)])
+    low_model = copy.deepcopy(loaded.model).to(torch.bfloat16)  # the shared one stays float32
+    low = PagedCache(loaded.arch, torch.bfloat16).step(low_model, [(0, ids)])
     assert int(low.argmax()) == generated[0][0]

@@ -349,12 +349,13 @@ def teacher_forced_logits(model: LlamaForCausalLM, arch: ArchConfig, dtype: torc
     return torch.stack(steps[1:])
 
 
-def test_smollm2_quantized_decode_is_as_close_to_float32_as_bf16(smollm2_gguf: Path) -> None:
+def test_smollm2_quantized_decode_is_as_close_to_float32_as_bf16(
+        smollm2_gguf: Path, smollm2_float32: LoadedModel) -> None:
     """In bf16, the quantized path's decode logits stay about as close to the float32
     dequantized model as the bf16 dequantized ones: it multiplies in float32 and rounds its
     inputs and outputs to bf16 (measured 1.45x the bf16 model's error on an AVX2 CPU; a
     wrong code or scale layout gives errors many times larger)."""
-    reference = load_model(None, torch.float32, CPU)
+    reference = smollm2_float32
     arch = reference.arch
     prompts = [reference.tokenizer.encode(text) for text in
                ("The capital of France is", "Once upon a time, in a small village,")]
@@ -405,11 +406,12 @@ def test_int8_activations_move_logits_far_less_than_the_quantization(
 
 
 @needs_int8
-def test_smollm2_int8_prefill_stays_about_as_close_to_float32_as_bf16(smollm2_gguf: Path) -> None:
+def test_smollm2_int8_prefill_stays_about_as_close_to_float32_as_bf16(
+        smollm2_gguf: Path, smollm2_float32: LoadedModel) -> None:
     """SmolLM2's prefill logits with int8 activations stay within 4x the bf16 model's
     distance from the float32 dequantized model (measured 2.3x; llama.cpp's own logits for
     this file are about as far from float32 as ours), with the same next token."""
-    reference = load_model(None, torch.float32, CPU)
+    reference = smollm2_float32
     int8 = copy.deepcopy(reference)
     int8.model.attach_quantized_weights(
         gguf_quantized_weights(gguf.GGUFReader(smollm2_gguf), reference.arch), 1024,

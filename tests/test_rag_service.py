@@ -30,10 +30,9 @@ CHAT = {"model": "tiny", "max_tokens": 4, "temperature": 0,
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
-    server = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny")
-    yield server
-    server.stop()
+def llm(tiny_server: RemoteServer) -> RemoteServer:
+    """The tiny llama as "tiny", shared with test_metrics.py (shared_servers.py)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

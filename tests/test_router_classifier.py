@@ -4,13 +4,11 @@ tier when the classifier is down."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 from fake_openai_server import FakeOpenAIServer
-from rag_utils import minilm_path
 from router_gateway import LONG_TASK, a, b, chat, ext, fakes, gateway_config  # noqa: F401
 from router_utils import RouterServer
 from server_utils import REPO_ROOT, RemoteServer, free_port
@@ -31,11 +29,9 @@ HARD_QUESTION = "Implement a lock-free hash map in C++ that supports concurrent 
 
 
 @pytest.fixture(scope="module")
-def minilm() -> Iterator[RemoteServer]:
-    server = RemoteServer(minilm_path(), "--max-model-len", "256", "--served-model-name",
-                          "minilm", startup_timeout=300)
-    yield server
-    server.stop()
+def minilm(minilm_server: RemoteServer) -> RemoteServer:
+    """all-MiniLM-L6-v2 as "minilm", shared with test_embeddings.py (shared_servers.py)."""
+    return minilm_server
 
 
 def classified_config(a: FakeOpenAIServer, b: FakeOpenAIServer, ext: FakeOpenAIServer,

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -20,9 +18,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, Field
 
-from server_utils import REPO_ROOT, RemoteServer, assert_clean_shutdown
+from server_utils import RemoteServer
 
-TEMPLATE = REPO_ROOT / "examples" / "tool_chat_template_hermes.jinja"
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -44,12 +41,10 @@ class Forecast(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path) -> Iterator[RemoteServer]:
-    remote = RemoteServer(tiny_llama_dir, "--served-model-name", "tiny",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                          "--chat-template", str(TEMPLATE))
-    yield remote
-    assert_clean_shutdown(remote.stop())
+def server(hermes_server: RemoteServer) -> RemoteServer:
+    """The tiny llama with the Hermes parser and its template, shared with
+    test_server_responses.py (shared_servers.py)."""
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

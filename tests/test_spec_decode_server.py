@@ -35,8 +35,11 @@ def servers(tiny_model_factory: Callable[[str], Path],
     common = ("--tokenizer", str(folder), "--served-model-name", "tiny",
               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
               "--chat-template", str(TEMPLATE))
-    remotes = {"plain": RemoteServer(path, *common)}
-    remotes["spec"] = RemoteServer(path, *common, "--speculative-config", SPEC)
+    # started together: each start is mostly imports and a load, one core's work
+    remotes = {"plain": RemoteServer(path, *common, wait=False),
+               "spec": RemoteServer(path, *common, "--speculative-config", SPEC, wait=False)}
+    for remote in remotes.values():
+        remote.wait_healthy()
     yield remotes
     for remote in remotes.values():
         assert_clean_shutdown(remote.stop())

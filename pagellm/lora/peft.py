@@ -17,7 +17,6 @@ of the model's projections, ranks above `--max-lora-rank`, shapes of another mod
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -27,24 +26,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+from pagellm.lora.adapter_config import (LoRAAdapterError, adapter_files, check_config,
+                                         parse_config)
+
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
 # Modules a target list may name that have no LoRA support here.
 UNSUPPORTED_MODULES = ("lm_head", "model.embed_tokens")
-# adapter_config.json fields that change what an adapter computes, none implemented here.
-_UNSUPPORTED_FIELDS = {
-    "use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_save",
-    "lora_bias": "lora_bias", "fan_in_fan_out": "fan_in_fan_out",
-    "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters", "layer_replication": "layer_replication",
-    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
-    "use_bdlora": "BD-LoRA (use_bdlora)", "megatron_config": "megatron_config",
-}
-
-
-class LoRAAdapterError(ValueError):
-    """An adapter that cannot be served; the message says why (a 400 over HTTP)."""
 
 
 @dataclass(frozen=True)
@@ -83,46 +70,19 @@ class AdapterFiles:
 
 
 def read_adapter_files(path: str | Path) -> AdapterFiles:
-    folder = Path(path).expanduser()
-    config_file = folder / CONFIG_FILE
-    weights = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
-    if not config_file.is_file() or weights is None:
-        raise LoRAAdapterError(f"No adapter found for {path}: a LoRA adapter is a folder with "
-                               f"{CONFIG_FILE} and {' or '.join(WEIGHT_FILES)}.")
+    config_file, weights = adapter_files(path)
     config_bytes, weight_bytes = config_file.read_bytes(), weights.read_bytes()
+    config = parse_config(path, config_bytes)
     try:
-        config = json.loads(config_bytes)
         if weights.suffix == ".safetensors":
             tensors = load_file(weights)
         else:
             tensors = torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as error:  # any unreadable file is the adapter's fault
         raise LoRAAdapterError(f"LoRA adapter {path} does not load: {error}") from None
-    if not isinstance(config, dict):
-        raise LoRAAdapterError(f"{config_file} is not a JSON object.")
     digest = hashlib.blake2b(config_bytes, digest_size=16)
     digest.update(weight_bytes)
     return AdapterFiles(config, tensors, digest.digest())
-
-
-def check_config(config: dict[str, Any]) -> None:
-    peft_type = config.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise LoRAAdapterError(f"peft_type {peft_type!r} is not supported; only LORA.")
-    for name, what in _UNSUPPORTED_FIELDS.items():
-        if config.get(name):
-            raise LoRAAdapterError(f"{what} is not supported (adapter_config.json sets "
-                                   f"{name}={config[name]!r}).")
-    if config.get("bias", "none") != "none":
-        raise LoRAAdapterError(f"bias={config['bias']!r} is not supported; only 'none'.")
-    if not isinstance(config.get("r"), int) or config["r"] < 1:
-        raise LoRAAdapterError(f"adapter_config.json needs a positive integer r, got "
-                               f"{config.get('r')!r}.")
-    if not isinstance(config.get("lora_alpha", 8), (int, float)):
-        raise LoRAAdapterError("adapter_config.json's lora_alpha must be a number.")
-    if not isinstance(config.get("target_modules"), (str, list)):
-        raise LoRAAdapterError("adapter_config.json needs target_modules (a list of module "
-                               "names or a regular expression).")
 
 
 def targets(config: dict[str, Any], key: str) -> bool:

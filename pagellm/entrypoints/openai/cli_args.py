@@ -167,6 +167,7 @@ class ServerSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
         names = list(args.served_model_name or [args.model or DEFAULT_SERVED_NAME])
+        lora = LoRAServerSettings.from_args(args)  # reads adapter configs only: no torch
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.served_model_name = names[0]
         # Checked before the engine starts, so a bad template fails in a second, not a minute.
@@ -199,7 +200,7 @@ class ServerSettings:
                    limits=ServerLimits(args.max_concurrent_requests,
                                        args.max_request_body_bytes, args.shutdown_timeout,
                                        args.responses_store_size),
-                   lora=LoRAServerSettings.from_args(args))
+                   lora=lora)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

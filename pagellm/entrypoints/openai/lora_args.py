@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagellm.logger import init_logger
+from pagellm.lora.adapter_config import check_adapter_config
 
 logger = init_logger(__name__)
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -64,6 +65,8 @@ class LoRAServerSettings:
                        [Path(d).expanduser().resolve() for d in args.lora_allowed_dirs])
         if (settings.modules or settings.runtime_updating) and not args.enable_lora:
             raise ValueError("--lora-modules and runtime LoRA updating need --enable-lora.")
+        for module in settings.modules:  # before the engine starts: a bad one fails in a second
+            check_adapter_config(module.path)
         if settings.runtime_updating and not settings.allowed_dirs:
             logger.warning("Runtime LoRA updating is on but --lora-allowed-dirs is not set: "
                            "every load will be refused.")
