@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF models (built once per session) and the embedded GGUF,
 with its float32 loads (pagellm's and transformers', see smollm2_reference.py), and the
-servers that several files start with the same flags (shared_servers.py)."""
+servers that several files start with the same flags (shared_servers.py); those are
+released after the last test that uses them (last_use.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 from server_utils import RemoteServer
-from shared_servers import release_after, shared_server
+from last_use import release_after_last_use, release_unused
+from shared_servers import shared_server
 from smollm2_reference import TransformersReference
 from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
@@ -72,28 +74,34 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_float32(smollm2_gguf: Path) -> LoadedModel:
-    """pagellm's float32 load of the embedded GGUF, shared: read it, change a copy."""
+    """pagellm's float32 load of the embedded GGUF, shared: read it, change a copy. Its
+    weights are dropped after the last test that uses it (last_use.py)."""
     import torch
 
     from pagellm.model.loader import load_model
 
     loaded = load_model(None, torch.float32, torch.device("cpu"))
     assert loaded.path == smollm2_gguf
+    release_after_last_use("smollm2_float32", lambda: setattr(loaded, "model", None))
     return loaded
 
 
 @pytest.fixture(scope="session")
 def smollm2_transformers(smollm2_gguf: Path,
                          smollm2_float32: LoadedModel) -> TransformersReference:
-    """transformers' float32 model of the embedded GGUF, shared with its greedy answers."""
+    """transformers' float32 model of the embedded GGUF, shared with its greedy answers,
+    dropped after the last test that uses it."""
     from test_models import transformers_gguf_model
 
-    return TransformersReference(*transformers_gguf_model(smollm2_gguf, smollm2_float32.arch))
+    reference = TransformersReference(*transformers_gguf_model(smollm2_gguf,
+                                                               smollm2_float32.arch))
+    release_after_last_use("smollm2_transformers", reference.release)
+    return reference
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    release_after(item)
+    release_unused(item)
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ A start costs 4 to 6 s on two cores, and each of these flag sets was started by 
 - `minilm_server`: all-MiniLM-L6-v2 as "minilm" (test_embeddings.py,
   test_router_classifier.py)
 
-The fixtures (session-scoped, in conftest.py) start one on first use; `release_after`
-stops it, and checks that its log has no traceback, in the teardown of the last collected
-test that uses it, so that an idle server holds no memory for the rest of the session.
+The fixtures (session-scoped, in conftest.py) start one on first use and stop it, checking
+that its log has no traceback, in the teardown of the last collected test that uses it
+(last_use.py).
 A test reads what the server counts as deltas (its own requests) and leaves no request
 running, as it did when the server was its module's. (test_router_replica.py and
 test_web_playground.py start the embedded GGUF with the same flags too, but the page
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from last_use import release_after_last_use, release_now
 from server_utils import REPO_ROOT, RemoteServer, assert_clean_shutdown
 
 HERMES_TEMPLATE = REPO_ROOT / "examples" / "tool_chat_template_hermes.jinja"
@@ -32,33 +32,13 @@ FLAGS = {
                       "--tool-call-parser", "hermes", "--chat-template", str(HERMES_TEMPLATE)),
     "minilm_server": ("--max-model-len", "256", "--served-model-name", "minilm"),
 }
-_running: dict[str, RemoteServer] = {}
 
 
 def shared_server(name: str, model: Path, startup_timeout: float = 300
                   ) -> Iterator[RemoteServer]:
-    """The body of the session fixture `name`: FLAGS[name] on `model`."""
-    _running[name] = RemoteServer(model, *FLAGS[name], startup_timeout=startup_timeout)
-    yield _running[name]
-    _stop(name)
-
-
-def _stop(name: str) -> None:
-    server = _running.pop(name, None)
-    if server is not None:
-        assert_clean_shutdown(server.stop())
-
-
-def release_after(item: pytest.Item) -> None:
-    """Stops the shared servers that no test after `item` uses (from the teardown of
-    `item`, whose error a failed check then is)."""
-    if not _running:
-        return
-    items = item.session.items
-    position = {id(each): index for index, each in enumerate(items)}.get(id(item))
-    if position is None:
-        return
-    later = items[position + 1:]
-    for name in list(_running):
-        if not any(name in getattr(each, "fixturenames", ()) for each in later):
-            _stop(name)
+    """The body of the session fixture `name`: FLAGS[name] on `model`, stopped after the
+    last test that uses it (last_use.py), its log checked for tracebacks."""
+    server = RemoteServer(model, *FLAGS[name], startup_timeout=startup_timeout)
+    release_after_last_use(name, lambda: assert_clean_shutdown(server.stop()))
+    yield server
+    release_now(name)

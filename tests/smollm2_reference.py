@@ -6,7 +6,8 @@ per greedy answer of 24 tokens, two of which both files ask for), test_models.py
 test_quantized.py against pagellm's own float32 load (about 5 s, three times). Each was
 built again in each test; now each is built once, and transformers' greedy answers are
 kept per prompt. The tests read them and never change them (a test that needs another
-dtype or attached weights changes a copy).
+dtype or attached weights changes a copy); their weights are freed after the last test
+that uses them (last_use.py).
 """
 
 from __future__ import annotations
@@ -30,3 +31,8 @@ class TransformersReference:
         if key not in self._answers:
             self._answers[key] = reference_greedy(self.model, ids, steps)
         return list(self._answers[key])
+
+    def release(self) -> None:
+        """Frees the model (after its last test)."""
+        self.model = None
+        self._answers.clear()
