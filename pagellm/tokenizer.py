@@ -14,6 +14,7 @@ import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagellm.cache_dir import pagellm_cache_dir
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -56,13 +57,6 @@ def load_gguf_tokenizer(source: Path) -> PreTrainedTokenizerBase:
                                               local_files_only=True)
     _save_tokenizer(tokenizer, cached)
     return tokenizer
-
-
-def pagellm_cache_dir() -> Path:
-    """$PAGELLM_CACHE_DIR, else pagellm/ under $XDG_CACHE_HOME or ~/.cache."""
-    if os.environ.get("PAGELLM_CACHE_DIR"):
-        return Path(os.environ["PAGELLM_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagellm"
 
 
 def gguf_tokenizer_key(source: Path) -> str:

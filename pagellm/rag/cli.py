@@ -72,14 +72,23 @@ def add_rag_args(parser: argparse.ArgumentParser, parser_class: type) -> None:
 
 def open_parts(args: argparse.Namespace):
     """(store, embedder) as the flags say; the store first, so a locked one fails fast."""
-    from pagellm.rag.embedder import make_embedder
+    store = open_store(args)
+    return store, open_embedder(args)
+
+
+def open_store(args: argparse.Namespace):
     from pagellm.rag.store import StoreSettings, VectorStore
 
     settings = StoreSettings(args.qdrant_path, args.qdrant_url,
                              args.qdrant_api_key or os.environ.get(_API_KEY_ENV))
-    store = VectorStore(settings)
-    return store, make_embedder(args.embeddings_url, args.embedding_model,
-                                args.embeddings_api_key, args.embeddings_model_name)
+    return VectorStore(settings)
+
+
+def open_embedder(args: argparse.Namespace):
+    from pagellm.rag.embedder import make_embedder
+
+    return make_embedder(args.embeddings_url, args.embedding_model, args.embeddings_api_key,
+                         args.embeddings_model_name)
 
 
 def _store_errors(run):
@@ -117,10 +126,11 @@ def run_ingest(args: argparse.Namespace) -> None:
 def run_query(args: argparse.Namespace) -> None:
     from pagellm.rag.retriever import Retriever
 
-    store, embedder = open_parts(args)
+    store = open_store(args)
     try:
-        store.require_collection(args.collection)
-        hits = Retriever(store, embedder, args.collection, args.top_k).retrieve(args.question)
+        store.require_collection(args.collection)  # before the embedding model loads
+        hits = Retriever(store, open_embedder(args), args.collection,
+                         args.top_k).retrieve(args.question)
     finally:
         store.close()
     for rank, hit in enumerate(hits, 1):

@@ -18,7 +18,7 @@ from typing import Any
 from qdrant_client import QdrantClient, models
 from qdrant_client.http.exceptions import ApiException, ResponseHandlingException
 
-from pagellm.tokenizer import pagellm_cache_dir
+from pagellm.cache_dir import pagellm_cache_dir
 
 CONTENT_KEY, METADATA_KEY = "page_content", "metadata"
 
