@@ -11,13 +11,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from server_utils import RemoteServer
-from last_use import release_after_last_use, release_unused
-from shared_servers import shared_server
-from smollm2_reference import TransformersReference
-from tiny_models import TINY_MODEL_TYPES, build_tiny_model
 
-from pagellm.model.paths import default_model_path
+# libgomp's threads spin after each parallel region by default. With more runnable threads
+# than cores (a server, its engine core and the client on two cores, or any other work on
+# the machine) a spinning thread holds the core its peer needs, and the kernels of a decode
+# step wait for the scheduler: 2 to 100 times slower. Waiting threads that sleep cost a
+# wake-up instead. Set before torch is imported (by the modules below); the servers the
+# tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from last_use import release_after_last_use, release_unused  # noqa: E402
+from server_utils import RemoteServer  # noqa: E402
+from shared_servers import shared_server  # noqa: E402
+from smollm2_reference import TransformersReference  # noqa: E402
+from tiny_models import TINY_MODEL_TYPES, build_tiny_model  # noqa: E402
+
+from pagellm.model.paths import default_model_path  # noqa: E402
 
 if TYPE_CHECKING:
     from pagellm.model.loader import LoadedModel
