@@ -45,6 +45,11 @@ class ModelConfig:
     def int8_activations(self) -> bool:
         return self.gguf_int8_activations and self.dtype not in ("float32", "float")
 
+    def is_gguf(self) -> bool:
+        from pagellm.model.paths import resolve_model_path
+
+        return resolve_model_path(self.model).suffix == ".gguf"
+
 
 @dataclass
 class CacheConfig:

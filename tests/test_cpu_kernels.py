@@ -4,6 +4,8 @@ decode attention kernel is tested in test_attention.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,11 +212,14 @@ def test_kv_cache_write_rejects_a_slot_outside_the_cache() -> None:
     assert not cache.any()
 
 
-def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.MonkeyPatch):
+def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path):
     """The first build (with AMX's flags) fails, the second leaves exactly those out."""
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
     builds: list[list[str]] = []
 
@@ -229,3 +234,29 @@ def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.
     assert len(builds) == 2
     assert builds[0][-4:] == ["-mavx2", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
     assert builds[1] == builds[0][:-3]
+
+
+def test_a_build_killed_half_way_does_not_block_the_next_start(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path):
+    """torch's lock file, left by a build that was killed, is removed under pagellm's flock,
+    so that torch builds instead of waiting for it forever."""
+    import torch.utils.cpp_extension
+
+    import pagellm.kernels as kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
+    built_in: list[Path] = []
+
+    def load(**kwargs) -> None:
+        folder = Path(kwargs["build_directory"])
+        assert not (folder / "lock").exists()
+        built_in.append(folder)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    folder = tmp_path / f"pagellm_cpu_kernels_{capability}_{kernels._source_digest()}_0"
+    folder.mkdir()
+    (folder / "lock").touch()
+    assert kernels.cpu_kernels_available.__wrapped__()
+    assert built_in == [folder]

@@ -1,5 +1,5 @@
 """Host memory for the KV cache: zeroed, 2 MiB-aligned, and in 2 MiB pages where Linux grants
-them."""
+them; the dtypes `auto` resolves to."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagellm.platform import zeros_in_huge_pages
+import pagellm.platform as platform
+from pagellm.platform import resolve_dtypes, zeros_in_huge_pages
 
 
 def anon_huge_kib(start: int, end: int) -> int:
@@ -46,3 +47,20 @@ def test_linux_backs_it_with_huge_pages_where_they_are_on_request() -> None:
     cache = zeros_in_huge_pages((64, 1 << 20), torch.uint8)  # 64 MiB
     cache.fill_(1)  # the pages are taken when first written
     assert anon_huge_kib(cache.data_ptr(), cache.data_ptr() + cache.numel()) > 0
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("has_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_auto_on_an_int8_gguf_computes_in_float32(has_bf16: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 activations around the int8 projections, the KV cache in bf16 where the CPU
+    has it; anything asked for explicitly is kept."""
+    monkeypatch.setattr(platform, "cpu_supports_bf16", lambda: has_bf16)
+    low = torch.bfloat16 if has_bf16 else torch.float32
+    assert resolve_dtypes("auto", "auto", CPU, True) == (torch.float32, low)
+    assert resolve_dtypes("auto", "fp8", CPU, True) == (torch.float32, torch.float8_e4m3fn)
+    assert resolve_dtypes("bfloat16", "auto", CPU, True) == (torch.bfloat16, torch.bfloat16)
+    assert resolve_dtypes("float32", "auto", CPU, True) == (torch.float32, torch.float32)
+    assert resolve_dtypes("auto", "auto", CPU, False) == (low, low)

@@ -27,7 +27,7 @@ from pagellm.logger import init_logger
 from pagellm.lora.config import LoRAConfig
 from pagellm.lora.request import LoRARequest
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.platform import dtype_name, resolve_dtype, resolve_kv_cache_dtype
+from pagellm.platform import dtype_name, resolve_dtypes
 from pagellm.request import Request, RequestStatus
 from pagellm.spec_decode.config import SpeculativeConfig
 from pagellm.spec_decode.decoder import SpecDecoder, load_draft_model
@@ -49,8 +49,9 @@ class EngineCore:
                  lora_config: LoRAConfig | None = None) -> None:
         start = time.perf_counter()
         self.device = device
-        self.dtype = resolve_dtype(model_config.dtype, device)
-        kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        self.dtype, kv_cache_dtype = resolve_dtypes(
+            model_config.dtype, cache_config.cache_dtype, device,
+            model_config.int8_activations() and model_config.is_gguf())
         if parallel_config is not None and parallel_config.world_size > 1 and (
                 speculative_config is not None or lora_config is not None):
             raise ValueError("Speculative decoding and LoRA with tensor or pipeline parallelism "

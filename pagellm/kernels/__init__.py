@@ -9,10 +9,13 @@ results, slower. `python -m pagellm.kernels` builds them ahead of time.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,17 +58,52 @@ def cpu_kernels_available() -> bool:
     # a compiler without AMX's flags (before GCC 11) still builds everything else
     without_amx = [flag for flag in flags if flag not in _AMX_FLAGS]
     for attempt, isa in enumerate([flags] if without_amx == flags else [flags, without_amx]):
+        name = f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}_{attempt}"
         try:
-            load(name=f"pagellm_cpu_kernels_{capability.lower()}_{_source_digest()}_{attempt}",
-                 sources=[str(s) for s in _SOURCES], extra_include_paths=[str(_HERE)],
-                 extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", *isa],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            with build_lock(build_directory(name)) as folder:
+                load(name=name, sources=[str(s) for s in _SOURCES],
+                     extra_include_paths=[str(_HERE)], build_directory=str(folder),
+                     extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
+                                   *isa],
+                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, build error
             logger.warning("CPU kernels could not be built with [%s]: %s", " ".join(isa),
                            str(error).splitlines()[0] if str(error) else type(error).__name__)
     logger.warning("CPU kernels unavailable, using torch ops instead (slower)")
     return False
+
+
+def build_directory(name: str) -> Path:
+    """Where torch would build `name`: under TORCH_EXTENSIONS_DIR, else torch's cache folder
+    for this Python (CPU kernels: the same folder whatever torch's accelerator)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        version = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}"
+        root = os.path.join(get_default_build_root(), f"{version}_cpu")
+    return Path(root) / name
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[Path]:
+    """Held while torch builds or loads the kernels in `folder`. torch's own lock is a file
+    that a build killed half-way (Ctrl-C during a first start) leaves behind, and every later
+    start then waits on it forever. This lock is an flock, which the kernel releases with
+    its holder's death: whoever holds it is the only pagellm process building here, so a
+    torch lock file found then is stale and removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "pagellm.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("Removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield folder
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 _AMX_INT8_FLAGS = ("-mamx-tile", "-mamx-int8")
