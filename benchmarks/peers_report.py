@@ -22,7 +22,8 @@ import torch
 
 from memory_roof import read_gbps
 
-from pagellm.platform import resolve_dtype
+from pagellm.kernels import int8_matmul_available
+from pagellm.platform import dtype_name, resolve_dtypes
 
 PARAMETERS = 134.5e6  # SmolLM2-135M
 KV_BLOCK_BYTES = 16 * 64 * 2  # SmolLM2's keys of one kv head in a bf16 block of 16 tokens
@@ -57,9 +58,21 @@ def version(package: str) -> str:
         return "not installed"
 
 
-def engine_dtype() -> torch.dtype:
-    """What pagellm's `--dtype auto` picks on this CPU: bf16 only where it is native."""
-    return resolve_dtype("auto", torch.device("cpu"))
+def engine_numerics() -> str:
+    """What `--dtype auto` picks for the embedded GGUF on this CPU: how its projections
+    multiply, the rest's dtype and the KV cache's."""
+    int8 = int8_matmul_available()
+    compute, kv = resolve_dtypes("auto", "auto", torch.device("cpu"), int8)
+    return (f"{'int8 projections, ' if int8 else ''}{dtype_name(compute)} activations, "
+            f"{dtype_name(kv)} KV cache")
+
+
+def peak_form() -> str:
+    """The form whose matmul peak is this machine's roof: the projections' (int8 where the
+    activations are rounded to int8, else the engine's dtype)."""
+    if int8_matmul_available():
+        return "int8"
+    return dtype_name(resolve_dtypes("auto", "auto", torch.device("cpu"), False)[0])
 
 
 def machine_kind() -> str:
@@ -88,21 +101,28 @@ def machine() -> str:
     flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), [])
     isa += " + AMX" if "amx_tile" in flags else ""
-    return (f"{cpu}, {os.cpu_count()} cores, {isa}; pagellm computes in "
-            f"{str(engine_dtype()).removeprefix('torch.')}; Python {platform.python_version()}, "
+    return (f"{cpu}, {os.cpu_count()} cores, {isa}; pagellm: {engine_numerics()}; "
+            f"Python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {version('transformers')}, "
             f"llama-cpp-python {version('llama-cpp-python')}")
 
 
 def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
-    """Best-of-`tries` GFLOP/s of one n x n matmul in pagellm's dtype: this machine's roof."""
-    dtype = engine_dtype()
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)  # warm-up
+    """Best-of-`tries` GFLOP/s (GOP/s in int8) of one n x n matmul in `peak_form()`, by
+    oneDNN through torch: this machine's roof."""
+    form = peak_form()
+    if form == "int8":
+        a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8) for _ in range(2))
+        multiply = torch._int_mm
+    else:
+        dtype = getattr(torch, form)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        multiply = torch.matmul
+    multiply(a, b)  # warm-up
     best = float("inf")
     for _ in range(tries):
         start = time.perf_counter()
-        torch.matmul(a, b)
+        multiply(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
@@ -185,9 +205,8 @@ def roofline(peer_dir: Path, results: dict[str, dict[str, dict[str, Any]]], top:
     peak = max(s["gflops"] for s in saved) if saved else matmul_peak_gflops()
     bandwidths = [s["read_gbps"] for s in saved if "read_gbps" in s]
     scattered = [s["scattered_read_gbps"] for s in saved if "scattered_read_gbps" in s]
-    dtype = str(engine_dtype()).removeprefix("torch.")
-    lines = [f"Roofline: {dtype} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, best "
-             "of 5 in each round, pagellm's dtype on this CPU); "
+    lines = [f"Roofline: {peak_form()} 2048x2048 matmul peak {peak:.1f} GFLOP/s (idle machine, "
+             "best of 5 in each round, the form of pagellm's projections on this CPU); "
              f"achieved = 2 x {PARAMETERS / 1e6:.1f}M params x output tok/s.", ""]
     run = results.get("pagellm", {}).get(f"c{top}")
     if run is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from memory_roof import read_gbps  # noqa: E402
-from peers_report import machine, matmul_peak_gflops  # noqa: E402
+from peers_report import machine, matmul_peak_gflops, peak_form  # noqa: E402
 
 from pagellm import LLM  # noqa: E402
 from pagellm.benchmarks.throughput import random_prompts, time_decode_step  # noqa: E402
@@ -86,7 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     peak, bandwidth = matmul_peak_gflops(), read_gbps()
     header = [f"Machine: {machine()} ({platform.machine()}), {time.strftime('%Y-%m-%d')}",
-              f"Matmul peak {peak:.1f} GFLOP/s (2048x2048 in pagellm's dtype), read bandwidth "
+              f"Matmul peak {peak:.1f} GFLOP/s (2048x2048 in {peak_form()}, the projections' "
+              f"form), read bandwidth "
               f"{bandwidth:.1f} GB/s (`benchmarks/memory_roof.py`).", "",
               "| batch | context | step ms | bound ms | binding roof | share of bound |",
               "|---|---|---|---|---|---|"]

@@ -25,12 +25,14 @@ _HELP = {
     "load_format": "auto, safetensors, gguf or mistral: mistral reads consolidated*.safetensors "
                    "with Mistral's tensor names (auto: mistral with --config-format mistral, "
                    "else the file's own)",
-    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 where the hardware has it)",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: bf16 where the hardware has it; a "
+             "GGUF on CPU: float32 around its int8 projections)",
     "max_model_len": "context length (prompt + output); default: the model's",
     "seed": "seed of the engine's random generator",
     "block_size": "tokens per KV cache block",
     "kv_cache_dtype": "auto, bfloat16, float16, float32, fp8 (e4m3), fp8_e4m3 or fp8_e5m2: the "
-                      "dtype keys and values are stored in (auto: the model's); bfloat16 under "
+                      "dtype keys and values are stored in (auto: the model's; a GGUF on CPU: "
+                      "bfloat16 where the CPU has it); bfloat16 under "
                       "a float32 model halves the cache's memory and speeds up decode attention "
                       "on CPU; fp8 halves it again, at some accuracy",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
