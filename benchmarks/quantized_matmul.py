@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_quantized import random_weight  # noqa: E402
 
 SHAPES = ((576, 3072), (1536, 576), (576, 960), (576, 576))  # (K, N): gate/up, down, qkv, o
-ROWS = (64, 2048)
+ROWS = (1, 4, 16, 64, 2048)
 
 
 def best_seconds(layer: Linear, x: torch.Tensor, repeats: int = 7) -> float:

@@ -112,11 +112,13 @@ _AMX_FLAGS = (*_AMX_INT8_FLAGS, _AMX_BF16_FLAG)
 
 
 def _isa_flags(capability: str) -> list[str]:
-    """torch's instruction sets for this CPU, plus clflushopt, AVX512-BF16 and AMX's int8 and
-    bf16 tiles where the CPU has them."""
+    """torch's instruction sets for this CPU, plus clflushopt, AVX512-VNNI, AVX512-BF16 and
+    AMX's int8 and bf16 tiles where the CPU has them."""
     flags = _ISA_FLAGS.get(capability, [])
     if flags and _cpu_has("clflushopt"):
         flags = [*flags, "-mclflushopt"]
+    if capability == "AVX512" and _cpu_has("avx512_vnni"):
+        flags = [*flags, "-mavx512vnni"]
     if capability == "AVX512" and _cpu_has("avx512_bf16"):
         flags = [*flags, "-mavx512bf16"]
     if capability == "AVX512" and _cpu_has("amx_tile") and _cpu_has("amx_int8"):

@@ -23,6 +23,12 @@
 // stored interleaved by tile (4 inputs of each of the tile's rows in turn), so a tile reads
 // one stream rather than four.
 //
+// With AVX512-VNNI, 4-bit codes take one vpdpbusd per 4 inputs of a row and all 16 features
+// (the panel's 64 bytes are one vector): it adds the products of 4 unsigned codes with 4
+// signed activations to an int32 lane, the very sums vpmaddubsw and vpmaddwd give here (4-bit
+// products never saturate int16), so the results are equal to the bit. PAGELLM_VNNI=0 keeps
+// the AVX2 instructions (to compare them).
+//
 // 4-bit codes are stored two per byte where the AMX kernel does not multiply them (its tile
 // loads take the bytes as stored): a decode step reads every weight once for a row or a
 // few, so its time is the weights' bytes, and a byte per code read twice llama.cpp's. The
@@ -41,7 +47,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -75,6 +83,9 @@ struct CodeBytes {
     w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
     w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32));
   }
+#ifdef __AVX512VNNI__
+  static __m512i load16(const Byte* codes) { return _mm512_loadu_si512(codes); }
+#endif
 };
 
 // ... or 4-bit codes two per byte, features 8-15 in the high nibbles: half the bytes to read,
@@ -88,6 +99,13 @@ struct CodeNibbles {
     w0 = _mm256_and_si256(both, low);
     w1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
   }
+#ifdef __AVX512VNNI__
+  static __m512i load16(const Byte* codes) {
+    __m256i w0, w1;
+    load(codes, w0, w1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+  }
+#endif
 };
 
 // One panel of the prepacked tensors.
@@ -167,12 +185,73 @@ __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte
   }
 }
 
+// The AVX2 instructions: a tile's sums in int16, then int32, features 0-7 and 8-15 apart.
+template <typename C>
+struct NarrowSums {
+  using Codes = C;
+  using Sums = __m256i[kInt8TileRows][2];
+  template <int kFirst, int kLast>
+  __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
+                                                   const int8_t* inputs, Sums& sums) {
+    group_sums<Codes, kFirst, kLast>(codes, inputs, sums);
+  }
+  __attribute__((always_inline)) static void add(const __m256i (&sums)[2], float d, float sum,
+                                                 const float* scales, const float* zeros,
+                                                 float* out) {
+    add_group(sums, d, sum, scales, zeros, out);
+  }
+};
+
+#ifdef __AVX512VNNI__
+inline bool vnni_permitted() {
+  static const bool permitted = [] {
+    const char* setting = std::getenv("PAGELLM_VNNI");
+    return setting == nullptr || std::string_view(setting) != "0";
+  }();
+  return permitted;
+}
+
+// AVX512-VNNI, 4-bit codes: a row's sums for all 16 features in one int32 vector, then the
+// float32 operations of add_group, lane for lane.
+template <typename C>
+struct WideSums {
+  using Codes = C;
+  using Sums = __m512i[kInt8TileRows];
+  template <int kFirst, int kLast>
+  __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
+                                                   const int8_t* inputs, Sums& sums) {
+    constexpr int R = kInt8TileRows;
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = kFirst; j < kLast; ++j) {
+      const __m512i w = Codes::load16(codes + j * Codes::kBytes);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t bytes;
+        std::memcpy(&bytes, inputs + (j * R + r) * 4, sizeof(bytes));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(bytes));
+      }
+    }
+  }
+  __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
+                                                 const float* scales, const float* zeros,
+                                                 float* out) {
+    __m512 acc = _mm512_loadu_ps(out);
+    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(d));
+    acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(zeros), _mm512_set1_ps(sum), acc);
+    _mm512_storeu_ps(out, acc);
+  }
+};
+#endif
+
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
 // panel's 16 features. Inlined: a call per tile and chunk cost about 5%.
-template <typename Codes, int kGroupSize>
-__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
-                                                     int64_t k, const Int8Panel<Codes>& panel,
-                                                     int64_t g0, int64_t g1, float* out) {
+template <typename Policy, int kGroupSize>
+__attribute__((always_inline)) inline void int8_tile(
+    const Int8Rows& rows, int64_t tile, int64_t k,
+    const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
+  using Codes = typename Policy::Codes;
   constexpr int R = kInt8TileRows;
   const int64_t groups = k / kGroup;
   const int8_t* x = rows.values.data() + tile * k * R;
@@ -180,36 +259,37 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
   for (int64_t g = g0; g < g1; ++g) {
-    __m256i sums[R][2];
+    typename Policy::Sums sums;
     const typename Codes::Byte* codes = panel.codes + g * 8 * Codes::kBytes;
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
-      group_sums<Codes, 0, 8>(codes, inputs, sums);
+      Policy::template group<0, 8>(codes, inputs, sums);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        add_group(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
+        Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
                   panel.scales + g * kPanel, panel.zeros + g * kPanel, out + r * kPanel);
       }
     } else {
       auto add_half = [&](int h) {
         const int64_t half = 2 * g + h;
         for (int r = 0; r < R; ++r) {
-          add_group(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
+          Policy::add(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
                     panel.scales + half * kPanel, panel.zeros + half * kPanel, out + r * kPanel);
         }
       };
-      group_sums<Codes, 0, 4>(codes, inputs, sums);
+      Policy::template group<0, 4>(codes, inputs, sums);
       add_half(0);
-      group_sums<Codes, 4, 8>(codes, inputs, sums);
+      Policy::template group<4, 8>(codes, inputs, sums);
       add_half(1);
     }
   }
 }
 
-template <int kGroupSize, typename Codes, typename T>
+template <int kGroupSize, typename Policy, typename T>
 void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
-         const typename Codes::Byte* panel_codes, const float* panel_scales,
+         const typename Policy::Codes::Byte* panel_codes, const float* panel_scales,
          const float* panel_zeros) {
+  using Codes = typename Policy::Codes;
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
   const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
@@ -229,7 +309,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile<Codes, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
+            int8_tile<Policy, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
                                         std::min(groups, g0 + chunk), out.data() + t * kPanel);
           }
         }
@@ -243,6 +323,19 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
   });
 }
 
+// 4-bit codes: the VNNI instructions where they are compiled and permitted.
+template <int kGroupSize, typename Codes, typename T>
+void run_4_bit(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
+               const float* scales, const float* zeros) {
+#ifdef __AVX512VNNI__
+  if (vnni_permitted()) {
+    run<kGroupSize, WideSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
+    return;
+  }
+#endif
+  run<kGroupSize, NarrowSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
+}
+
 // Calls run<kGroupSize> with the panels' codes: bytes, or `nibbles` (4-bit codes two per
 // byte).
 template <int kGroupSize>
@@ -252,9 +345,10 @@ void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                           const auto* codes, const float* s, const float* z) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
     if constexpr (std::is_same_v<Code, uint8_t>) {
-      if (nibbles) return run<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
+      if (nibbles) return run_4_bit<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
+      return run_4_bit<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
     }
-    run<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
+    run<kGroupSize, NarrowSums<CodeBytes<Code>>>(out, in, m, k, n, codes, s, z);
   };
   dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
 }

@@ -1,0 +1,58 @@
+"""The int8 kernel's AVX512-VNNI instructions against its AVX2 ones for 4-bit codes: the same
+integer sums (vpdpbusd adds exactly what vpmaddubsw and vpmaddwd add), then the same float32
+operations per group, so equal to the bit. PAGELLM_VNNI=0 keeps the AVX2 instructions in
+another process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_quantized import needs_int8, random_weight
+
+from pagellm.kernels import quantized_linear_int8
+
+HAS_VNNI = ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
+            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+
+AVX2_PRODUCTS = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_int8_vnni import four_bit_products
+torch.save(four_bit_products(), sys.argv[2])
+"""
+
+
+def four_bit_products() -> list[torch.Tensor]:
+    """Codes a byte each and two per byte; groups of 32, of 32 over 2,048 inputs (chunks),
+    and of 16 (Q6_K's halves); float32 and bf16; from 1 row to 385 (tiles of 4 whole and
+    partial, blocks of rows) and a partial panel of features."""
+    outputs = []
+    for rows, cols, group_size, with_zeros in ((203, 288, 32, True), (37, 2048, 32, False),
+                                               (250, 96, 16, True)):
+        weight = random_weight(4, rows, cols, with_zeros, group_size)
+        for nibbles in (False, True):
+            panels = weight.int8_panels(nibbles=nibbles)
+            for dtype in (torch.float32, torch.bfloat16):
+                for tokens in (1, 5, 12, 13, 70, 385):
+                    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+                    outputs.append(quantized_linear_int8(x.to(dtype), panels.codes, panels.scales,
+                                                         panels.zeros, rows))
+    return outputs
+
+
+@needs_int8
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+def test_vnni_gives_the_avx2_instructions_results_exactly(tmp_path: Path) -> None:
+    saved = tmp_path / "avx2.pt"
+    subprocess.run([sys.executable, "-c", AVX2_PRODUCTS, str(Path(__file__).parent),
+                    str(saved)], env={**os.environ, "PAGELLM_VNNI": "0"}, check=True)
+    avx2 = torch.load(saved)
+    vnni = four_bit_products()
+    assert len(vnni) == len(avx2) == 72
+    for index, (got, expected) in enumerate(zip(vnni, avx2, strict=True)):
+        assert torch.equal(got, expected), index
