@@ -190,6 +190,9 @@ template <typename C>
 struct NarrowSums {
   using Codes = C;
   using Sums = __m256i[kInt8TileRows][2];
+  using Acc = float*;  // a row's 16 sums stay in memory: AVX2 has 16 vector registers
+  static Acc load(float* out) { return out; }
+  static void store(Acc, float*) {}
   template <int kFirst, int kLast>
   __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
                                                    const int8_t* inputs, Sums& sums) {
@@ -197,7 +200,7 @@ struct NarrowSums {
   }
   __attribute__((always_inline)) static void add(const __m256i (&sums)[2], float d, float sum,
                                                  const float* scales, const float* zeros,
-                                                 float* out) {
+                                                 Acc& out) {
     add_group(sums, d, sum, scales, zeros, out);
   }
 };
@@ -217,6 +220,9 @@ template <typename C>
 struct WideSums {
   using Codes = C;
   using Sums = __m512i[kInt8TileRows];
+  using Acc = __m512;  // a row's 16 sums, in a register over the tile's groups
+  static Acc load(const float* out) { return _mm512_loadu_ps(out); }
+  static void store(Acc acc, float* out) { _mm512_storeu_ps(out, acc); }
   template <int kFirst, int kLast>
   __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
                                                    const int8_t* inputs, Sums& sums) {
@@ -235,18 +241,16 @@ struct WideSums {
   }
   __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
                                                  const float* scales, const float* zeros,
-                                                 float* out) {
-    __m512 acc = _mm512_loadu_ps(out);
+                                                 Acc& acc) {
     const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(d));
     acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(zeros), _mm512_set1_ps(sum), acc);
-    _mm512_storeu_ps(out, acc);
   }
 };
 #endif
 
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
-// panel's 16 features. Inlined: a call per tile and chunk cost about 5%.
+// panel's 16 features, added group by group into the policy's accumulators. Inlined: a call per tile and chunk cost about 5%.
 template <typename Policy, int kGroupSize>
 __attribute__((always_inline)) inline void int8_tile(
     const Int8Rows& rows, int64_t tile, int64_t k,
@@ -258,6 +262,8 @@ __attribute__((always_inline)) inline void int8_tile(
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
+  typename Policy::Acc acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Policy::load(out + r * kPanel);
   for (int64_t g = g0; g < g1; ++g) {
     typename Policy::Sums sums;
     const typename Codes::Byte* codes = panel.codes + g * 8 * Codes::kBytes;
@@ -267,14 +273,14 @@ __attribute__((always_inline)) inline void int8_tile(
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
-                  panel.scales + g * kPanel, panel.zeros + g * kPanel, out + r * kPanel);
+                    panel.scales + g * kPanel, panel.zeros + g * kPanel, acc[r]);
       }
     } else {
       auto add_half = [&](int h) {
         const int64_t half = 2 * g + h;
         for (int r = 0; r < R; ++r) {
           Policy::add(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
-                    panel.scales + half * kPanel, panel.zeros + half * kPanel, out + r * kPanel);
+                      panel.scales + half * kPanel, panel.zeros + half * kPanel, acc[r]);
         }
       };
       Policy::template group<0, 4>(codes, inputs, sums);
@@ -283,6 +289,7 @@ __attribute__((always_inline)) inline void int8_tile(
       add_half(1);
     }
   }
+  for (int r = 0; r < R; ++r) Policy::store(acc[r], out + r * kPanel);
 }
 
 template <int kGroupSize, typename Policy, typename T>
