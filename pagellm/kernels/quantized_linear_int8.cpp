@@ -250,7 +250,8 @@ struct WideSums {
 #endif
 
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
-// panel's 16 features, added group by group into the policy's accumulators. Inlined: a call per tile and chunk cost about 5%.
+// panel's 16 features, added group by group into the policy's accumulators. Inlined: a call
+// per tile and chunk cost about 5%.
 template <typename Policy, int kGroupSize>
 __attribute__((always_inline)) inline void int8_tile(
     const Int8Rows& rows, int64_t tile, int64_t k,
