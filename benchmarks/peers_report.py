@@ -23,7 +23,7 @@ import torch
 from memory_roof import read_gbps
 
 from pagellm.kernels import int8_matmul_available
-from pagellm.platform import dtype_name, resolve_dtypes
+from pagellm.platform import dtype_name, resolve_dtype, resolve_dtypes
 
 PARAMETERS = 134.5e6  # SmolLM2-135M
 KV_BLOCK_BYTES = 16 * 64 * 2  # SmolLM2's keys of one kv head in a bf16 block of 16 tokens
@@ -72,7 +72,7 @@ def peak_form() -> str:
     activations are rounded to int8, else the engine's dtype)."""
     if int8_matmul_available():
         return "int8"
-    return dtype_name(resolve_dtypes("auto", "auto", torch.device("cpu"), False)[0])
+    return dtype_name(resolve_dtype("auto", torch.device("cpu")))
 
 
 def machine_kind() -> str:
