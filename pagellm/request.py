@@ -12,7 +12,7 @@ from pagellm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagellm.lora.manager import LoadedLoRA
     from pagellm.lora.request import LoRARequest
-    from pagellm.sample.sampler import TokenLogprobs
+    from pagellm.logprobs import TokenLogprobs
     from pagellm.spec_decode.draft import Draft
     from pagellm.structured_outputs.manager import RequestGrammar
 

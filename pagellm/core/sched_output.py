@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagellm.core.block_map import BlockMap
 from pagellm.request import Request
-from pagellm.sample.sampler import TokenLogprobs
+from pagellm.logprobs import TokenLogprobs
 from pagellm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from pagellm.core.sched_output import (KVTransferStats, ModelRunnerOutput, Offlo
                                        RequestUpdate, ScheduledRequest, SchedulerOutput,
                                        SchedulerStats)
 from pagellm.request import Request, RequestStatus, child_request_id
-from pagellm.sample.sampler import TokenLogprobs
+from pagellm.logprobs import TokenLogprobs
 
 
 class Scheduler:

@@ -11,7 +11,7 @@ from pagellm.core.sched_output import RequestUpdate
 from pagellm.detokenizer import IncrementalDetokenizer
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
-from pagellm.sample.sampler import TokenLogprobs
+from pagellm.logprobs import TokenLogprobs
 from pagellm.sampling_params import OutputKind, SamplingParams
 
 

@@ -1,13 +1,12 @@
 """Batched token sampling."""
 
 from pagellm.sample.metadata import SamplingMetadata, SamplingRow, build_sampling_metadata
-from pagellm.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
+from pagellm.sample.sampler import Sampler, SamplerOutput
 
 __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingRow",
-    "TokenLogprobs",
     "build_sampling_metadata",
 ]

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagellm.sample.metadata import LogprobMetadata
-from pagellm.sample.sampler import TokenLogprobs, compute_logprobs
+from pagellm.logprobs import TokenLogprobs
+from pagellm.sample.sampler import compute_logprobs
 
 if TYPE_CHECKING:
     from pagellm.core.sched_output import SchedulerOutput

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagellm.logprobs import TokenLogprobs
 from pagellm.kernels import apply_token_bitmask, argmax_rows, use_cpu_kernels
 from pagellm.sample.metadata import (
     LogprobMetadata,
@@ -27,19 +28,11 @@ from pagellm.sample.metadata import (
 )
 from pagellm.sample.noise import random_row_keys, subtract_noise_
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "build_sampling_metadata"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "build_sampling_metadata"]
 
 _NEG_INF = float("-inf")
 # How many of the best logits to search for the top-p nucleus before a full sort.
 _TOP_P_CANDIDATES = 1024
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely token
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass

@@ -30,7 +30,8 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import (BLOCK_DIM, AttentionMetadata, as_bytes,
                                      build_attention_metadata, kv_cache_shape)
 from pagellm.platform import zeros_in_huge_pages
-from pagellm.sample import Sampler, SamplingRow, TokenLogprobs, build_sampling_metadata
+from pagellm.logprobs import TokenLogprobs
+from pagellm.sample import Sampler, SamplingRow, build_sampling_metadata
 from pagellm.sample.metadata import TokenMaskMetadata, build_token_mask
 from pagellm.sample.prompt_logprobs import hand_out_prompt_logprobs, score_prompt_rows
 from pagellm.spec_decode.verify import draft_sampling_rows, verify_drafts
