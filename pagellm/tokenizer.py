@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -109,27 +108,6 @@ def _named_template(template: str | list[dict[str, str]] | dict[str, str] | None
         template = {entry["name"]: entry["template"] for entry in template}
     if isinstance(template, dict):
         return template.get("default")
-    return template
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file path, or the template itself (vLLM's rule: text containing
-    braces or newlines is a template). Syntax errors are reported at start-up."""
-    if value is None:
-        return None
-    if any(char in value for char in "{}\n"):
-        template = value
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--chat-template {value!r} is neither a readable file nor a "
-                             "Jinja template.")
-        template = path.read_text()
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"--chat-template has a syntax error (line {error.lineno}): "
-                         f"{error.message}") from None
     return template
 
 

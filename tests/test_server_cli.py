@@ -11,7 +11,7 @@ import pytest
 
 from pagellm.entrypoints.cli import build_parser, main
 from pagellm.entrypoints.openai.cli_args import ServerSettings
-from pagellm.tokenizer import load_chat_template
+from pagellm.chat_template import load_chat_template
 from server_utils import run_cli
 
 
@@ -31,6 +31,25 @@ def test_parsing_flags_loads_neither_torch_nor_the_engine() -> None:
             "if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=60)
+    assert result.stdout.strip() == "[]"
+
+
+def test_serve_forks_its_engine_core_before_importing_torch(tmp_path: Path) -> None:
+    """The core imports torch and loads the model on one core while the server imports its
+    front end on the other; a settings check that imported transformers (and so torch)
+    first made every start skip that fork. Checked up to the fork, with a template file."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    code = ("import sys; import pagellm.entrypoints.openai.launch as launch\n"
+            "def forked(*args):\n"
+            "    print([m for m in ('torch', 'transformers') if m in sys.modules])\n"
+            "    raise SystemExit(0)\n"
+            "launch.start_core_process = forked\n"
+            "from pagellm.entrypoints.cli import main\n"
+            f"main(['serve', '--port', '0', '--chat-template', {str(template)!r}])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 

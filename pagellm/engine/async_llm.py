@@ -25,7 +25,8 @@ from pagellm.metrics.stats import IterationStats
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import OutputKind, SamplingParams
-from pagellm.tokenizer import apply_chat_template, load_chat_template
+from pagellm.chat_template import load_chat_template
+from pagellm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
     from pagellm.distributed.data_parallel import DataParallelCoreClient

@@ -17,7 +17,8 @@ from pagellm.outputs import RequestOutput
 from pagellm.platform import default_device
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import OutputKind, SamplingParams
-from pagellm.tokenizer import apply_chat_template, load_chat_template
+from pagellm.chat_template import load_chat_template
+from pagellm.tokenizer import apply_chat_template
 
 
 def resolve_device(name: str) -> torch.device:

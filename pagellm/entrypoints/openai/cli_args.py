@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagellm.distributed.config import add_parallel_cli_args
+from pagellm.chat_template import load_chat_template
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.openai.lora_args import LoRAServerSettings, add_lora_args
 
@@ -170,9 +171,8 @@ class ServerSettings:
         lora = LoRAServerSettings.from_args(args)  # reads adapter configs only: no torch
         engine_args = EngineArgs.from_cli_args(args)
         engine_args.served_model_name = names[0]
-        # Checked before the engine starts, so a bad template fails in a second, not a minute.
-        from pagellm.tokenizer import load_chat_template  # transformers: only when serving
-
+        # Checked before the engine starts, so a bad template fails in a second, not a minute;
+        # jinja2 only: the engine core is forked after this, and before torch is imported.
         engine_args.chat_template = load_chat_template(args.chat_template)
         if args.tool_parser_plugin:
             from pagellm.entrypoints.openai.tool_parsers import ToolParserManager
