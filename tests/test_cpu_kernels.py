@@ -255,8 +255,46 @@ def test_a_build_killed_half_way_does_not_block_the_next_start(monkeypatch: pyte
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    folder = tmp_path / f"pagellm_cpu_kernels_{capability}_{kernels._source_digest()}_0"
+    folder = tmp_path / f"pagellm_cpu_kernels_{capability}_{kernels._build_digest(['-mavx2'])}_0"
     folder.mkdir()
     (folder / "lock").touch()
     assert kernels.cpu_kernels_available.__wrapped__()
     assert built_in == [folder]
+
+
+def test_a_built_library_loads_without_the_build_step(monkeypatch: pytest.MonkeyPatch):
+    """A later start finds the library under its name (which changes with every source and
+    flag) and loads it: torch's build step, and its setuptools import, are skipped."""
+    import torch.utils.cpp_extension
+
+    import pagellm.kernels as kernels
+
+    if not kernels.cpu_kernels_available():
+        pytest.skip("the CPU kernels do not build here")
+
+    def load(**kwargs) -> None:
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    assert kernels.cpu_kernels_available.__wrapped__()
+
+
+def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path):
+    """A build killed while linking leaves a library that does not load: built again."""
+    import torch.utils.cpp_extension
+
+    import pagellm.kernels as kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
+    built: list[list[str]] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kwargs: built.append(kwargs["sources"]))
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    name = f"pagellm_cpu_kernels_{capability}_{kernels._build_digest(['-mavx2'])}_0"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"half a library")
+    assert kernels.cpu_kernels_available.__wrapped__()
+    assert built == [[str(tmp_path / name / "unit_0.cpp"), str(tmp_path / name / "unit_1.cpp")]]
+    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "paged_attention.cpp"')

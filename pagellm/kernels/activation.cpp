@@ -13,6 +13,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::activation {
 namespace {
 
 using pagellm::exp_nonpositive;
@@ -79,6 +80,7 @@ void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::activation
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
@@ -86,6 +88,6 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("silu_and_mul", &pagellm::kernels::activation::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &pagellm::kernels::activation::gelu_tanh_and_mul);
 }

@@ -12,6 +12,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::argmax {
 namespace {
 
 using pagellm::load;
@@ -67,7 +68,8 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits) {
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::argmax
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) { m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()"); }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("argmax_rows", &pagellm::kernels::argmax::argmax_rows); }

@@ -11,6 +11,7 @@
 #ifdef __CLFLUSHOPT__
 #include <immintrin.h>
 
+namespace pagellm::kernels::cache_eviction {
 namespace {
 
 constexpr int64_t kLine = 64;
@@ -26,9 +27,10 @@ void evict_from_cache(at::IntArrayRef starts, at::IntArrayRef sizes) {
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::cache_eviction
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("evict_from_cache(int[] starts, int[] sizes) -> ()", &evict_from_cache);
+  m.def("evict_from_cache(int[] starts, int[] sizes) -> ()", &pagellm::kernels::cache_eviction::evict_from_cache);
 }
 
 #endif

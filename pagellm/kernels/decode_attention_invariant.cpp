@@ -32,6 +32,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::decode_attention_invariant {
 namespace {
 
 using pagellm::exp_nonpositive;
@@ -393,6 +394,7 @@ void paged_decode_attention_invariant(at::Tensor out, const at::Tensor& query,
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::decode_attention_invariant
 
 // Registered only where it is compiled: Python checks for the op.
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
@@ -401,7 +403,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("paged_decode_attention_invariant", &paged_decode_attention_invariant);
+  m.impl("paged_decode_attention_invariant", &pagellm::kernels::decode_attention_invariant::paged_decode_attention_invariant);
 }
 
 #endif

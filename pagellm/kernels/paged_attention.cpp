@@ -26,6 +26,7 @@
 #include "attention_scores.h"
 #include "vectorizable.h"
 
+namespace pagellm::kernels::paged_attention {
 namespace {
 
 using pagellm::attention_scores::score_eight_at_a_time;
@@ -354,10 +355,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::paged_attention
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &pagellm::kernels::paged_attention::paged_decode_attention); }

@@ -35,6 +35,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::prefill_attention {
 namespace {
 
 using pagellm::exp_nonpositive;
@@ -301,6 +302,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::prefill_attention
 
 // Registered only where it is compiled: Python checks for the op.
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
@@ -310,7 +312,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_attention", &pagellm::kernels::prefill_attention::paged_prefill_attention);
 }
 
 #endif

@@ -31,6 +31,7 @@
 #include "quantized_linear.h"
 #include "vectorizable.h"
 
+namespace pagellm::kernels::quantized_linear {
 namespace {
 
 using namespace pagellm::quantized;
@@ -361,10 +362,11 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::quantized_linear
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear(Tensor(a!) y, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
         "int bits, bool panels_only) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("quantized_linear", &quantized_linear); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("quantized_linear", &pagellm::kernels::quantized_linear::quantized_linear); }

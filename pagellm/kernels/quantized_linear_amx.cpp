@@ -32,6 +32,7 @@
 #include "vectorizable.h"
 
 namespace pagellm::quantized {
+namespace int8_tiles {
 namespace {
 
 constexpr int kRows = 16;  // activation rows per tile: the accumulator registers
@@ -131,13 +132,14 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 }
 
 }  // namespace
+}  // namespace int8_tiles
 
 bool int8_tiles_permitted() { return tiles_permitted(); }
 
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros) {
   if (!tiles_permitted()) return false;
-  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { run(args...); });
+  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { int8_tiles::run(args...); });
   return true;
 }
 

@@ -27,7 +27,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-namespace pagellm::quantized {
+namespace pagellm::quantized::bf16_tiles {
 namespace {
 
 constexpr int kTileRows = 16;  // rows of every tile
@@ -226,7 +226,7 @@ void quantized_linear_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::T
 }
 
 }  // namespace
-}  // namespace pagellm::quantized
+}  // namespace pagellm::quantized::bf16_tiles
 
 // Registered only where it is compiled: Python checks for the ops, then for the OS's grant.
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
@@ -236,7 +236,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("quantized_linear_bf16_tiles", &pagellm::quantized::quantized_linear_bf16_tiles);
+  m.impl("quantized_linear_bf16_tiles", &pagellm::quantized::bf16_tiles::quantized_linear_bf16_tiles);
 }
 
 #endif

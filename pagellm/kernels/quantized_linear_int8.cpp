@@ -59,7 +59,7 @@
 
 #ifdef __AVX2__
 
-namespace pagellm::quantized {
+namespace pagellm::quantized::int8 {
 namespace {
 
 constexpr int kInt8TileRows = 4;  // rows per register tile: 8 int16 accumulators
@@ -393,7 +393,7 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
 }
 
 }  // namespace
-}  // namespace pagellm::quantized
+}  // namespace pagellm::quantized::int8
 
 // Registered only where it is compiled: Python checks for the op (int8_matmul_available),
 // and whether the AMX kernel multiplies byte panels (int8_tiles_available).
@@ -404,7 +404,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("quantized_linear_int8", &pagellm::quantized::quantized_linear_int8);
+  m.impl("quantized_linear_int8", &pagellm::quantized::int8::quantized_linear_int8);
 }
 
 #endif  // __AVX2__

@@ -15,6 +15,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::rms_norm {
 namespace {
 
 using pagellm::load;
@@ -81,6 +82,7 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::rms_norm
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps) -> ()");
@@ -88,6 +90,6 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rms_norm", &pagellm::kernels::rms_norm::rms_norm);
+  m.impl("add_rms_norm", &pagellm::kernels::rms_norm::add_rms_norm);
 }

@@ -12,6 +12,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::rotary_embedding {
 namespace {
 
 using pagellm::load;
@@ -56,9 +57,10 @@ void rotary_embedding(at::Tensor x, const at::Tensor& table) {
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::rotary_embedding
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor table) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("rotary_embedding", &rotary_embedding); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("rotary_embedding", &pagellm::kernels::rotary_embedding::rotary_embedding); }

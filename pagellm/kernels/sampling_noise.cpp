@@ -13,6 +13,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::sampling_noise {
 namespace {
 
 using pagellm::log_positive;
@@ -53,11 +54,12 @@ void subtract_log_exponential(at::Tensor logits, const at::Tensor& keys) {
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::sampling_noise
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("subtract_log_exponential(Tensor(a!) logits, Tensor keys) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("subtract_log_exponential", &subtract_log_exponential);
+  m.impl("subtract_log_exponential", &pagellm::kernels::sampling_noise::subtract_log_exponential);
 }

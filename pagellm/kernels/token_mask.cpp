@@ -16,6 +16,7 @@
 
 #include "vectorizable.h"
 
+namespace pagellm::kernels::token_mask {
 namespace {
 
 // -inf's bit pattern in each logits dtype, moved as an unsigned integer of the same width.
@@ -106,9 +107,10 @@ void apply_token_bitmask(at::Tensor out, const at::Tensor& logits, const at::Ten
 }
 
 }  // namespace
+}  // namespace pagellm::kernels::token_mask
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("apply_token_bitmask(Tensor(a!) out, Tensor logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("apply_token_bitmask", &apply_token_bitmask); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("apply_token_bitmask", &pagellm::kernels::token_mask::apply_token_bitmask); }
