@@ -30,6 +30,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "float_vectors.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::decode_attention_invariant {
@@ -40,16 +41,9 @@ using pagellm::load;
 using pagellm::store;
 using pagellm::widen;
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kWidth = 16;
-inline Vec load_vec(const float* p) { return _mm512_loadu_ps(p); }
-inline void store_vec(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec zero_vec() { return _mm512_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+using namespace pagellm::float_vectors;
 
+#if defined(__AVX512F__)
 // out[c][0..16) = in[0..16)[c] for the 16 x 16 floats at `in` (rows `in_stride` apart).
 inline void transpose_tile(float* out, int64_t out_stride, const float* in, int64_t in_stride) {
   __m512 r[16], t[16];
@@ -77,15 +71,6 @@ inline void transpose_tile(float* out, int64_t out_stride, const float* in, int6
   }
 }
 #else
-using Vec = __m256;
-constexpr int64_t kWidth = 8;
-inline Vec load_vec(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_vec(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec zero_vec() { return _mm256_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-
 // out[c][0..8) = in[0..8)[c] for the 8 x 8 floats at `in` (rows `in_stride` apart).
 inline void transpose_tile(float* out, int64_t out_stride, const float* in, int64_t in_stride) {
   __m256 r[8], t[8];

@@ -33,6 +33,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "float_vectors.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::prefill_attention {
@@ -43,26 +44,9 @@ using pagellm::load;
 using pagellm::store;
 using pagellm::widen;
 
-// The register tiles' vectors: two per key or dim of a tile, 8 independent sums of FMAs.
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int64_t kWidth = 16;
-inline Vec load_vec(const float* p) { return _mm512_loadu_ps(p); }
-inline void store_vec(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec zero_vec() { return _mm512_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-#else
-using Vec = __m256;
-constexpr int64_t kWidth = 8;
-inline Vec load_vec(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_vec(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec zero_vec() { return _mm256_setzero_ps(); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-#endif
+// The register tiles' vectors (float_vectors.h): two per key or dim of a tile, 8
+// independent sums of FMAs.
+using namespace pagellm::float_vectors;
 
 constexpr int64_t kItemTokens = 32;     // query tokens per work item
 constexpr int64_t kTile = 4;            // keys (scores) or head dims (output) per register tile
