@@ -27,15 +27,15 @@ logger = init_logger(__name__)
 _HERE = Path(__file__).parent
 # Compiled as two translation units side by side, each including its kernel files: torch's
 # headers take about 8 s of each unit's compile, paid once per unit instead of once per file
-# (a first start's build went from 118 s to about 33 s on two cores). Balanced by measured
-# compile time (about 30 s each with -O3); every file keeps its internals in a namespace of
+# (a first start's build went from 118 s to about 38 s on two cores). Balanced by measured
+# compile time (about 38 s each with -O3); every file keeps its internals in a namespace of
 # its own (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they can share one.
 _UNITS = (
-    ("paged_attention.cpp", "write_kv.cpp", "rotary_embedding.cpp", "activation.cpp",
-     "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp", "token_mask.cpp"),
+    ("paged_attention.cpp", "decode_attention_invariant.cpp", "write_kv.cpp",
+     "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
+     "token_mask.cpp"),
     ("quantized_linear_int8.cpp", "prefill_attention.cpp", "quantized_linear.cpp",
-     "decode_attention_invariant.cpp", "sampling_noise.cpp", "quantized_linear_bf16_amx.cpp",
-     "quantized_linear_amx.cpp"),
+     "sampling_noise.cpp", "quantized_linear_bf16_amx.cpp", "quantized_linear_amx.cpp"),
 )
 _SOURCES = [_HERE / name for unit in _UNITS for name in unit]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "quantized_linear.h",

@@ -142,21 +142,21 @@ inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // One group of a tile: sums[r][h] = the int32 sums of row r's products with features
 // 8h..8h+7, over inputs 4 * kFirst .. 4 * kLast of the 32 in `codes` and `inputs`.
-template <typename Codes, int kFirst, int kLast>
+template <typename Codes, int kRows, int kFirst, int kLast>
 __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte* codes,
                                                       const int8_t* inputs,
                                                       __m256i (&sums)[kInt8TileRows][2]) {
-  constexpr int R = kInt8TileRows;
+  constexpr int R = kInt8TileRows;  // the layout's rows per tile; the first kRows are computed
   constexpr bool kUnsigned = std::is_same_v<typename Codes::Byte, uint8_t>;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+  for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int j = kFirst; j < kLast; ++j) {
     __m256i w0, w1;
     Codes::load(codes + j * Codes::kBytes, w0, w1);
     if constexpr (kUnsigned) {  // int16 sums, widened once per group
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         const __m256i b = broadcast4(inputs + (j * R + r) * 4);
         sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(w0, b));
         sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(w1, b));
@@ -166,7 +166,7 @@ __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte
     } else {  // signed codes: |code| times the activations with the codes' signs, to int32
       const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         const __m256i b = broadcast4(inputs + (j * R + r) * 4);
         const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
         const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
@@ -178,7 +178,7 @@ __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte
     }
   }
   if constexpr (kUnsigned) {
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       sums[r][0] = _mm256_madd_epi16(sums[r][0], ones);
       sums[r][1] = _mm256_madd_epi16(sums[r][1], ones);
     }
@@ -193,10 +193,10 @@ struct NarrowSums {
   using Acc = float*;  // a row's 16 sums stay in memory: AVX2 has 16 vector registers
   static Acc load(float* out) { return out; }
   static void store(Acc, float*) {}
-  template <int kFirst, int kLast>
+  template <int kRows, int kFirst, int kLast>
   __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
                                                    const int8_t* inputs, Sums& sums) {
-    group_sums<Codes, kFirst, kLast>(codes, inputs, sums);
+    group_sums<Codes, kRows, kFirst, kLast>(codes, inputs, sums);
   }
   __attribute__((always_inline)) static void add(const __m256i (&sums)[2], float d, float sum,
                                                  const float* scales, const float* zeros,
@@ -223,20 +223,30 @@ struct WideSums {
   using Acc = __m512;  // a row's 16 sums, in a register over the tile's groups
   static Acc load(const float* out) { return _mm512_loadu_ps(out); }
   static void store(Acc acc, float* out) { _mm512_storeu_ps(out, acc); }
-  template <int kFirst, int kLast>
+  template <int kRows, int kFirst, int kLast>
   __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
                                                    const int8_t* inputs, Sums& sums) {
-    constexpr int R = kInt8TileRows;
-    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    constexpr int R = kInt8TileRows;  // the layout's rows per tile; the first kRows are computed
+    // A tile of one or two rows has too few sums to hide vpdpbusd's latency: each row's chain
+    // is split in two (even and odd steps), added at the end. Integer sums: equal to the bit.
+    constexpr int kChains = kRows <= 2 ? 2 : 1;
+    __m512i chains[kChains][kRows];
+    for (auto& chain : chains) {
+      for (int r = 0; r < kRows; ++r) chain[r] = _mm512_setzero_si512();
+    }
 #pragma GCC unroll 8
     for (int j = kFirst; j < kLast; ++j) {
       const __m512i w = Codes::load16(codes + j * Codes::kBytes);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         int32_t bytes;
         std::memcpy(&bytes, inputs + (j * R + r) * 4, sizeof(bytes));
-        sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(bytes));
+        __m512i& sum = chains[(j - kFirst) % kChains][r];
+        sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(bytes));
       }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      sums[r] = kChains == 1 ? chains[0][r] : _mm512_add_epi32(chains[0][r], chains[kChains - 1][r]);
     }
   }
   __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
@@ -252,7 +262,7 @@ struct WideSums {
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
 // panel's 16 features, added group by group into the policy's accumulators. Inlined: a call
 // per tile and chunk cost about 5%.
-template <typename Policy, int kGroupSize>
+template <typename Policy, int kGroupSize, int kRows>
 __attribute__((always_inline)) inline void int8_tile(
     const Int8Rows& rows, int64_t tile, int64_t k,
     const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
@@ -263,34 +273,48 @@ __attribute__((always_inline)) inline void int8_tile(
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
-  typename Policy::Acc acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Policy::load(out + r * kPanel);
+  typename Policy::Acc acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = Policy::load(out + r * kPanel);
   for (int64_t g = g0; g < g1; ++g) {
     typename Policy::Sums sums;
     const typename Codes::Byte* codes = panel.codes + g * 8 * Codes::kBytes;
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
-      Policy::template group<0, 8>(codes, inputs, sums);
+      Policy::template group<kRows, 0, 8>(codes, inputs, sums);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < kRows; ++r) {
         Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
                     panel.scales + g * kPanel, panel.zeros + g * kPanel, acc[r]);
       }
     } else {
       auto add_half = [&](int h) {
         const int64_t half = 2 * g + h;
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < kRows; ++r) {
           Policy::add(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
                       panel.scales + half * kPanel, panel.zeros + half * kPanel, acc[r]);
         }
       };
-      Policy::template group<0, 4>(codes, inputs, sums);
+      Policy::template group<kRows, 0, 4>(codes, inputs, sums);
       add_half(0);
-      Policy::template group<4, 8>(codes, inputs, sums);
+      Policy::template group<kRows, 4, 8>(codes, inputs, sums);
       add_half(1);
     }
   }
-  for (int r = 0; r < R; ++r) Policy::store(acc[r], out + r * kPanel);
+  for (int r = 0; r < kRows; ++r) Policy::store(acc[r], out + r * kPanel);
+}
+
+// A tile's rows that are not padding, 1 to 4: a decode of one request computes one row, not
+// four. Each row's sums are its own, so they do not depend on how many are computed.
+template <typename Policy, int kGroupSize>
+__attribute__((always_inline)) inline void int8_live_tile(
+    int64_t live, const Int8Rows& rows, int64_t tile, int64_t k,
+    const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
+  switch (live) {
+    case 1: return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, panel, g0, g1, out);
+    case 2: return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, panel, g0, g1, out);
+    case 3: return int8_tile<Policy, kGroupSize, 3>(rows, tile, k, panel, g0, g1, out);
+    default: return int8_tile<Policy, kGroupSize, 4>(rows, tile, k, panel, g0, g1, out);
+  }
 }
 
 template <int kGroupSize, typename Policy, typename T>
@@ -317,8 +341,9 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_tile<Policy, kGroupSize>(rows, (m0 + t) / kInt8TileRows, k, panel, g0,
-                                        std::min(groups, g0 + chunk), out.data() + t * kPanel);
+            int8_live_tile<Policy, kGroupSize>(m - m0 - t, rows, (m0 + t) / kInt8TileRows, k,
+                                               panel, g0, std::min(groups, g0 + chunk),
+                                               out.data() + t * kPanel);
           }
         }
         for (int64_t r = 0; r < std::min(block, m - m0); ++r) {
