@@ -18,10 +18,10 @@
 //
 // The codes come in panels of 16 output features, laid out at load time as vpmaddubsw wants
 // them (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16 features' 4
-// codes side by side (two vectors, features 0-7 then 8-15). Register tiles of 4 rows x 16
-// features keep their sums in registers for a whole group. The rounded activations are
-// stored interleaved by tile (4 inputs of each of the tile's rows in turn), so a tile reads
-// one stream rather than four.
+// codes side by side (two vectors, features 0-7 then 8-15). Register tiles of 4 rows (8
+// with AVX512-VNNI) x 16 features keep their sums in registers for a whole group. The rounded
+// activations are stored interleaved by tile (4 inputs of each of the tile's rows in turn),
+// so a tile reads one stream rather than one per row.
 //
 // With AVX512-VNNI, 4-bit codes take one vpdpbusd per 4 inputs of a row and all 16 features
 // (the panel's 64 bytes are one vector): it adds the products of 4 unsigned codes with 4
@@ -62,15 +62,16 @@
 namespace pagellm::quantized::int8 {
 namespace {
 
-constexpr int kInt8TileRows = 4;  // rows per register tile: 8 int16 accumulators
-
-// Activation rows are stored interleaved by tile: value i of row 4t + r is at
-// ((t * K + i - i % 4) * 4 + 4r + i % 4); their scales and sums at (t * K / 32 + g) * 4 + r.
+// Activation rows are stored interleaved by tile of R rows: value i of row Rt + r is at
+// ((t * K + i - i % 4) * R + 4r + i % 4); their scales and sums at (t * K / 32 + g) * R + r.
+template <int R>
 inline GroupPlace tile_interleaved(int64_t k, int64_t row, int64_t group) {
-  const int64_t tile = row / kInt8TileRows, r = row % kInt8TileRows;
-  return {(tile * k + group * kGroup) * kInt8TileRows + 4 * r, 4 * kInt8TileRows,
-          (tile * (k / kGroup) + group) * kInt8TileRows + r};
+  const int64_t tile = row / R, r = row % R;
+  return {(tile * k + group * kGroup) * R + 4 * r, 4 * R, (tile * (k / kGroup) + group) * R + r};
 }
+
+// Rows per register tile with AVX2: 8 int16 accumulators of its 16 registers.
+constexpr int kNarrowTileRows = 4;
 
 // How a panel stores the codes of 4 consecutive inputs of its 16 features, and how they come
 // into the two vectors vpmaddubsw multiplies (features 0-7, then 8-15): a byte per code
@@ -145,8 +146,8 @@ inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 template <typename Codes, int kRows, int kFirst, int kLast>
 __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte* codes,
                                                       const int8_t* inputs,
-                                                      __m256i (&sums)[kInt8TileRows][2]) {
-  constexpr int R = kInt8TileRows;  // the layout's rows per tile; the first kRows are computed
+                                                      __m256i (&sums)[kNarrowTileRows][2]) {
+  constexpr int R = kNarrowTileRows;  // the layout's rows per tile; the first kRows are computed
   constexpr bool kUnsigned = std::is_same_v<typename Codes::Byte, uint8_t>;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
@@ -189,7 +190,8 @@ __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte
 template <typename C>
 struct NarrowSums {
   using Codes = C;
-  using Sums = __m256i[kInt8TileRows][2];
+  static constexpr int kTileRows = kNarrowTileRows;
+  using Sums = __m256i[kTileRows][2];
   using Acc = float*;  // a row's 16 sums stay in memory: AVX2 has 16 vector registers
   static Acc load(float* out) { return out; }
   static void store(Acc, float*) {}
@@ -219,14 +221,17 @@ inline bool vnni_permitted() {
 template <typename C>
 struct WideSums {
   using Codes = C;
-  using Sums = __m512i[kInt8TileRows];
+  // 8 rows share each vector of codes: their unpacking costs as much as 5 of the 8 vpdpbusd.
+  // A row's sums and float32 accumulator take 16 of the 32 registers.
+  static constexpr int kTileRows = 8;
+  using Sums = __m512i[kTileRows];
   using Acc = __m512;  // a row's 16 sums, in a register over the tile's groups
   static Acc load(const float* out) { return _mm512_loadu_ps(out); }
   static void store(Acc acc, float* out) { _mm512_storeu_ps(out, acc); }
   template <int kRows, int kFirst, int kLast>
   __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
                                                    const int8_t* inputs, Sums& sums) {
-    constexpr int R = kInt8TileRows;  // the layout's rows per tile; the first kRows are computed
+    constexpr int R = kTileRows;  // the layout's rows per tile; the first kRows are computed
     // A tile of one or two rows has too few sums to hide vpdpbusd's latency: each row's chain
     // is split in two (even and odd steps), added at the end. Integer sums: equal to the bit.
     constexpr int kChains = kRows <= 2 ? 2 : 1;
@@ -237,7 +242,7 @@ struct WideSums {
 #pragma GCC unroll 8
     for (int j = kFirst; j < kLast; ++j) {
       const __m512i w = Codes::load16(codes + j * Codes::kBytes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         int32_t bytes;
         std::memcpy(&bytes, inputs + (j * R + r) * 4, sizeof(bytes));
@@ -267,7 +272,7 @@ __attribute__((always_inline)) inline void int8_tile(
     const Int8Rows& rows, int64_t tile, int64_t k,
     const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
   using Codes = typename Policy::Codes;
-  constexpr int R = kInt8TileRows;
+  constexpr int R = Policy::kTileRows;
   const int64_t groups = k / kGroup;
   const int8_t* x = rows.values.data() + tile * k * R;
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
@@ -281,7 +286,7 @@ __attribute__((always_inline)) inline void int8_tile(
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
       Policy::template group<kRows, 0, 8>(codes, inputs, sums);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
                     panel.scales + g * kPanel, panel.zeros + g * kPanel, acc[r]);
@@ -303,18 +308,18 @@ __attribute__((always_inline)) inline void int8_tile(
   for (int r = 0; r < kRows; ++r) Policy::store(acc[r], out + r * kPanel);
 }
 
-// A tile's rows that are not padding, 1 to 4: a decode of one request computes one row, not
-// four. Each row's sums are its own, so they do not depend on how many are computed.
+// A tile's rows that are not padding, rounded up to 1, 2, 4 or the whole tile: a decode of
+// one request computes one row, not a tile's. Each row's sums are its own, so they do not
+// depend on how many are computed (padding rows are zeros, never stored).
 template <typename Policy, int kGroupSize>
 __attribute__((always_inline)) inline void int8_live_tile(
     int64_t live, const Int8Rows& rows, int64_t tile, int64_t k,
     const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
-  switch (live) {
-    case 1: return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, panel, g0, g1, out);
-    case 2: return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, panel, g0, g1, out);
-    case 3: return int8_tile<Policy, kGroupSize, 3>(rows, tile, k, panel, g0, g1, out);
-    default: return int8_tile<Policy, kGroupSize, 4>(rows, tile, k, panel, g0, g1, out);
-  }
+  constexpr int R = Policy::kTileRows;
+  if (live == 1) return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, panel, g0, g1, out);
+  if (live == 2) return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, panel, g0, g1, out);
+  if (live <= 4 && R > 4) return int8_tile<Policy, kGroupSize, 4>(rows, tile, k, panel, g0, g1, out);
+  int8_tile<Policy, kGroupSize, R>(rows, tile, k, panel, g0, g1, out);
 }
 
 template <int kGroupSize, typename Policy, typename T>
@@ -324,10 +329,11 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
   using Codes = typename Policy::Codes;
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
-  const int64_t padded = (m + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+  constexpr int R = Policy::kTileRows;
+  const int64_t padded = (m + R - 1) / R * R;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
   const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
-    return tile_interleaved(k, row, group);
+    return tile_interleaved<R>(k, row, group);
   });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(block_rows * kPanel);
@@ -340,8 +346,8 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
                                     panel_zeros + p * scale_groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-          for (int64_t t = 0; t < block; t += kInt8TileRows) {
-            int8_live_tile<Policy, kGroupSize>(m - m0 - t, rows, (m0 + t) / kInt8TileRows, k,
+          for (int64_t t = 0; t < block; t += R) {
+            int8_live_tile<Policy, kGroupSize>(m - m0 - t, rows, (m0 + t) / R, k,
                                                panel, g0, std::min(groups, g0 + chunk),
                                                out.data() + t * kPanel);
           }
