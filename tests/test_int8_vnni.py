@@ -1,5 +1,6 @@
-"""The int8 kernel's AVX512-VNNI instructions against its AVX2 ones for 4-bit codes: the same
-integer sums (vpdpbusd adds exactly what vpmaddubsw and vpmaddwd add), then the same float32
+"""The int8 kernel's AVX512-VNNI instructions against its AVX2 ones: the same integer sums
+(vpdpbusd adds exactly what vpmaddubsw and vpmaddwd add; for 8-bit codes, with the
+activations moved up by 128 and 128 times the codes' sum taken off), then the same float32
 operations per group, so equal to the bit. PAGELLM_VNNI=0 keeps the AVX2 instructions in
 another process."""
 
@@ -22,21 +23,24 @@ HAS_VNNI = ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
 AVX2_PRODUCTS = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_int8_vnni import four_bit_products
-torch.save(four_bit_products(), sys.argv[2])
+from test_int8_vnni import products
+torch.save(products(), sys.argv[2])
 """
 
 
-def four_bit_products() -> list[torch.Tensor]:
-    """Codes a byte each and two per byte; groups of 32, of 32 over 2,048 inputs (chunks),
-    and of 16 (Q6_K's halves); float32 and bf16; from 1 row to 385 (tiles of 4 whole and
-    partial, blocks of rows) and a partial panel of features."""
+def products() -> list[torch.Tensor]:
+    """4-bit codes a byte each and two per byte, and 8-bit codes (their extremes -128 and 127
+    among them); groups of 32, of 32 over 2,048 inputs (chunks), and of 16 (Q6_K's halves);
+    float32 and bf16; from 1 row to 385 (tiles whole and partial, blocks of rows) and a
+    partial panel of features."""
     outputs = []
     for rows, cols, group_size, with_zeros in ((203, 288, 32, True), (37, 2048, 32, False),
                                                (250, 96, 16, True)):
-        weight = random_weight(4, rows, cols, with_zeros, group_size)
-        for nibbles in (False, True):
-            panels = weight.int8_panels(nibbles=nibbles)
+        four_bit = random_weight(4, rows, cols, with_zeros, group_size)
+        eight_bit = random_weight(8, rows, cols, with_zeros, group_size)
+        eight_bit.codes[:, :2], eight_bit.codes[:, 2:4] = -128, 127
+        for panels in (four_bit.int8_panels(nibbles=False), four_bit.int8_panels(nibbles=True),
+                       eight_bit.int8_panels()):
             for dtype in (torch.float32, torch.bfloat16):
                 for tokens in (1, 5, 12, 13, 70, 385):
                     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -52,7 +56,7 @@ def test_vnni_gives_the_avx2_instructions_results_exactly(tmp_path: Path) -> Non
     subprocess.run([sys.executable, "-c", AVX2_PRODUCTS, str(Path(__file__).parent),
                     str(saved)], env={**os.environ, "PAGELLM_VNNI": "0"}, check=True)
     avx2 = torch.load(saved)
-    vnni = four_bit_products()
-    assert len(vnni) == len(avx2) == 72
+    vnni = products()
+    assert len(vnni) == len(avx2) == 108
     for index, (got, expected) in enumerate(zip(vnni, avx2, strict=True)):
         assert torch.equal(got, expected), index

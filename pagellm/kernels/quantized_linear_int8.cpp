@@ -26,8 +26,9 @@
 // With AVX512-VNNI, 4-bit codes take one vpdpbusd per 4 inputs of a row and all 16 features
 // (the panel's 64 bytes are one vector): it adds the products of 4 unsigned codes with 4
 // signed activations to an int32 lane, the very sums vpmaddubsw and vpmaddwd give here (4-bit
-// products never saturate int16), so the results are equal to the bit. PAGELLM_VNNI=0 keeps
-// the AVX2 instructions (to compare them).
+// products never saturate int16), so the results are equal to the bit. 8-bit codes take it
+// too, with the activations as its unsigned operand (see WideSums). PAGELLM_VNNI=0 keeps the
+// AVX2 instructions (to compare them).
 //
 // 4-bit codes are stored two per byte where the AMX kernel does not multiply them (its tile
 // loads take the bytes as stored): a decode step reads every weight once for a row or a
@@ -216,8 +217,12 @@ inline bool vnni_permitted() {
   return permitted;
 }
 
-// AVX512-VNNI, 4-bit codes: a row's sums for all 16 features in one int32 vector, then the
-// float32 operations of add_group, lane for lane.
+// AVX512-VNNI: a row's sums for all 16 features in one int32 vector, then the float32
+// operations of add_group, lane for lane. vpdpbusd multiplies unsigned bytes with signed
+// ones: 4-bit codes are the unsigned operand; with 8-bit codes (signed) the activations
+// take that place, moved up by 128 (their sign bit flipped), and 128 times the codes' sum,
+// from a vpdpbusd of ones with the codes, comes off again. Exact integer sums either way
+// (at most 32 * 255 * 128 in a lane), equal to the bit to the AVX2 instructions'.
 template <typename C>
 struct WideSums {
   using Codes = C;
@@ -235,23 +240,32 @@ struct WideSums {
     // A tile of one or two rows has too few sums to hide vpdpbusd's latency: each row's chain
     // is split in two (even and odd steps), added at the end. Integer sums: equal to the bit.
     constexpr int kChains = kRows <= 2 ? 2 : 1;
+    constexpr bool kSigned = std::is_same_v<typename Codes::Byte, int8_t>;
     __m512i chains[kChains][kRows];
     for (auto& chain : chains) {
       for (int r = 0; r < kRows; ++r) chain[r] = _mm512_setzero_si512();
     }
+    __m512i code_sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = kFirst; j < kLast; ++j) {
       const __m512i w = Codes::load16(codes + j * Codes::kBytes);
+      if constexpr (kSigned) code_sums = _mm512_dpbusd_epi32(code_sums, _mm512_set1_epi8(1), w);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         int32_t bytes;
         std::memcpy(&bytes, inputs + (j * R + r) * 4, sizeof(bytes));
         __m512i& sum = chains[(j - kFirst) % kChains][r];
-        sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(bytes));
+        const __m512i x = _mm512_set1_epi32(bytes);
+        if constexpr (kSigned) {
+          sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(x, _mm512_set1_epi8(-128)), w);
+        } else {
+          sum = _mm512_dpbusd_epi32(sum, w, x);
+        }
       }
     }
     for (int r = 0; r < kRows; ++r) {
       sums[r] = kChains == 1 ? chains[0][r] : _mm512_add_epi32(chains[0][r], chains[kChains - 1][r]);
+      if constexpr (kSigned) sums[r] = _mm512_sub_epi32(sums[r], _mm512_slli_epi32(code_sums, 7));
     }
   }
   __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
@@ -362,10 +376,10 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
   });
 }
 
-// 4-bit codes: the VNNI instructions where they are compiled and permitted.
+// The VNNI instructions where they are compiled and permitted.
 template <int kGroupSize, typename Codes, typename T>
-void run_4_bit(T* y, const T* x, int64_t m, int64_t k, int64_t n, const uint8_t* codes,
-               const float* scales, const float* zeros) {
+void run_codes(T* y, const T* x, int64_t m, int64_t k, int64_t n,
+               const typename Codes::Byte* codes, const float* scales, const float* zeros) {
 #ifdef __AVX512VNNI__
   if (vnni_permitted()) {
     run<kGroupSize, WideSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
@@ -384,10 +398,9 @@ void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                           const auto* codes, const float* s, const float* z) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
     if constexpr (std::is_same_v<Code, uint8_t>) {
-      if (nibbles) return run_4_bit<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
-      return run_4_bit<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
+      if (nibbles) return run_codes<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
     }
-    run<kGroupSize, NarrowSums<CodeBytes<Code>>>(out, in, m, k, n, codes, s, z);
+    run_codes<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
   };
   dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
 }
