@@ -1,15 +1,18 @@
-"""Speed of the quantized matmul on SmolLM2's 4-bit shapes, through `Linear`.
+"""Speed of the int8 quantized matmul on SmolLM2's shapes, the kernel called directly.
 
-Random Q4_1-style weights (4-bit codes, a scale and a zero per 32 inputs), attached with the
-int8 path on for every step size; each shape is timed at a decode step's 64 rows and a
-prefill step's 2048, best of 7, and printed as GOP/s (2 x M x K x N per call). Needs the
-int8 kernel (AVX2).
+Random weights prepared as the engine prepares them (`GroupQuantWeight.int8_panels`): Q4_1
+style codes (4 bits, a scale and a zero per 32 inputs) for the layers' four projections,
+Q8_0 style codes (8 bits, signed) for the head. Each shape is timed from a decode of one
+request (1 row) to a prefill step's 2,048 rows, as the median of 5 batches of calls, and
+printed as GOP/s (2 x M x K x N per call). Needs the int8 kernel (AVX2). With
+`PAGELLM_VNNI=0`, the AVX2 instructions where the CPU has AVX512-VNNI (the same bits).
 
     python benchmarks/quantized_matmul.py
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,36 +20,44 @@ from pathlib import Path
 import torch
 
 from pagellm.kernels import int8_matmul_available
-from pagellm.model.quantized import Linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_quantized import random_weight  # noqa: E402
 
-SHAPES = ((576, 3072), (1536, 576), (576, 960), (576, 576))  # (K, N): gate/up, down, qkv, o
+# (K, N, bits): gate/up, down, qkv, o, the head
+SHAPES = ((576, 3072, 4), (1536, 576, 4), (576, 960, 4), (576, 576, 4), (576, 49152, 8))
 ROWS = (1, 4, 16, 64, 2048)
 
 
-def best_seconds(layer: Linear, x: torch.Tensor, repeats: int = 7) -> float:
-    layer(x)
-    best = float("inf")
-    for _ in range(repeats):
+def seconds_per_call(x: torch.Tensor, panels, out_features: int) -> float:
+    """Median over 5 batches of calls, each batch about 20 ms of work."""
+    y = torch.empty(x.shape[0], out_features)
+    call = torch.ops.pagellm.quantized_linear_int8
+    call(y, x, panels.codes, panels.scales, panels.zeros)
+    start = time.perf_counter()
+    call(y, x, panels.codes, panels.scales, panels.zeros)
+    calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-6)))
+    batches = []
+    for _ in range(5):
         start = time.perf_counter()
-        layer(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for _ in range(calls):
+            call(y, x, panels.codes, panels.scales, panels.zeros)
+        batches.append((time.perf_counter() - start) / calls)
+    return statistics.median(batches)
 
 
 def main() -> None:
     if not int8_matmul_available():
         sys.exit("the int8 matmul kernel is not built on this CPU (it needs AVX2)")
-    for k, n in SHAPES:
-        layer = Linear(k, n, bias=False)
-        layer.attach_quantized(random_weight(4, n, k, True), 10**9, True)
+    generator = torch.Generator().manual_seed(0)
+    for k, n, bits in SHAPES:
+        panels = random_weight(bits, n, k, bits == 4).int8_panels()
         figures = []
         for m in ROWS:
-            seconds = best_seconds(layer, torch.randn(m, k))
-            figures.append(f"{m} rows: {seconds * 1e3:.3f} ms, {2 * m * k * n / seconds / 1e9:.0f} GOP/s")
-        print(f"K={k} N={n}  " + " | ".join(figures))
+            seconds = seconds_per_call(torch.randn(m, k, generator=generator), panels, n)
+            figures.append(f"{m} rows: {seconds * 1e3:.3f} ms, "
+                           f"{2 * m * k * n / seconds / 1e9:.0f} GOP/s")
+        print(f"K={k} N={n} {bits}-bit  " + " | ".join(figures), flush=True)
 
 
 if __name__ == "__main__":
