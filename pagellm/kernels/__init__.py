@@ -2,9 +2,10 @@
 
 They are built on first use through `torch.utils.cpp_extension` into torch's
 extension cache, under a name that changes with any source or flag, and register
-themselves as `torch.ops.pagellm.*`; a later start loads that library directly. Without a compiler, or with
-`PAGELLM_CPU_KERNELS=0`, the engine falls back to plain torch ops: same
-results, slower. `python -m pagellm.kernels` builds them ahead of time.
+themselves as `torch.ops.pagellm.*`; a later start loads that library directly.
+Without a compiler, or with `PAGELLM_CPU_KERNELS=0`, the engine falls back to plain
+torch ops: same results, slower. `python -m pagellm.kernels` builds them ahead of
+time.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ def cpu_kernels_available() -> bool:
         return False
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _isa_flags(capability)
-    from torch.utils.cpp_extension import load  # setuptools: only to build
     # a compiler without AMX's flags (before GCC 11) still builds everything else
     without_amx = [flag for flag in flags if flag not in _AMX_FLAGS]
     for attempt, isa in enumerate([flags] if without_amx == flags else [flags, without_amx]):
@@ -66,6 +66,8 @@ def cpu_kernels_available() -> bool:
         try:
             with build_lock(build_directory(name)) as folder:
                 if not _load_built(folder / f"{name}.so"):
+                    from torch.utils.cpp_extension import load
+
                     load(name=name, sources=_write_units(folder), extra_include_paths=[str(_HERE)],
                          build_directory=str(folder),
                          extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
