@@ -48,12 +48,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <string_view>
 #include <type_traits>
 #include <vector>
 
+#include "int8_group_sums.h"
 #include "int8_rows.h"
 #include "quantized_linear.h"
 #include "vectorizable.h"
@@ -71,45 +69,6 @@ inline GroupPlace tile_interleaved(int64_t k, int64_t row, int64_t group) {
   return {(tile * k + group * kGroup) * R + 4 * r, 4 * R, (tile * (k / kGroup) + group) * R + r};
 }
 
-// Rows per register tile with AVX2: 8 int16 accumulators of its 16 registers.
-constexpr int kNarrowTileRows = 4;
-
-// How a panel stores the codes of 4 consecutive inputs of its 16 features, and how they come
-// into the two vectors vpmaddubsw multiplies (features 0-7, then 8-15): a byte per code
-// (uint8: 4-bit, int8: 8-bit) ...
-template <typename Code>
-struct CodeBytes {
-  using Byte = Code;
-  static constexpr int64_t kBytes = 64;  // per 4 inputs of the 16 features
-  static void load(const Byte* codes, __m256i& w0, __m256i& w1) {
-    w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-    w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32));
-  }
-#ifdef __AVX512VNNI__
-  static __m512i load16(const Byte* codes) { return _mm512_loadu_si512(codes); }
-#endif
-};
-
-// ... or 4-bit codes two per byte, features 8-15 in the high nibbles: half the bytes to read,
-// for a mask and a shift (of 16-bit lanes: AVX2 shifts no bytes) to unpack them.
-struct CodeNibbles {
-  using Byte = uint8_t;
-  static constexpr int64_t kBytes = 32;
-  static void load(const Byte* codes, __m256i& w0, __m256i& w1) {
-    const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    w0 = _mm256_and_si256(both, low);
-    w1 = _mm256_and_si256(_mm256_srli_epi16(both, 4), low);
-  }
-#ifdef __AVX512VNNI__
-  static __m512i load16(const Byte* codes) {
-    __m256i w0, w1;
-    load(codes, w0, w1);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-  }
-#endif
-};
-
 // One panel of the prepacked tensors.
 template <typename Codes>
 struct Int8Panel {
@@ -117,166 +76,6 @@ struct Int8Panel {
   const float* scales;                // [K / 32, 16]
   const float* zeros;                 // [K / 32, 16]
 };
-
-// out[16] += a group's integer sums (int32, 8 features each) scaled by the panel's scale
-// times d, plus the panel's zero times the group's activation sum.
-inline void add_group(const __m256i (&sums)[2], float d, float sum, const float* scales,
-                      const float* zeros, float* out) {
-  const __m256 row_scale = _mm256_set1_ps(d), row_sum = _mm256_set1_ps(sum);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc = _mm256_loadu_ps(out + 8 * h);
-    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(scales + 8 * h), row_scale);
-    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[h]), acc);
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + 8 * h), row_sum, acc);
-    _mm256_storeu_ps(out + 8 * h, acc);
-  }
-}
-
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t bytes;
-  std::memcpy(&bytes, p, sizeof(bytes));
-  return _mm256_set1_epi32(bytes);
-}
-
-// Keeps v in a register here: without this, GCC regroups a tile's integer adds into a tree
-// over products it spills to memory.
-inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
-
-// One group of a tile: sums[r][h] = the int32 sums of row r's products with features
-// 8h..8h+7, over inputs 4 * kFirst .. 4 * kLast of the 32 in `codes` and `inputs`.
-template <typename Codes, int kRows, int kFirst, int kLast>
-__attribute__((always_inline)) inline void group_sums(const typename Codes::Byte* codes,
-                                                      const int8_t* inputs,
-                                                      __m256i (&sums)[kNarrowTileRows][2]) {
-  constexpr int R = kNarrowTileRows;  // the layout's rows per tile; the first kRows are computed
-  constexpr bool kUnsigned = std::is_same_v<typename Codes::Byte, uint8_t>;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int j = kFirst; j < kLast; ++j) {
-    __m256i w0, w1;
-    Codes::load(codes + j * Codes::kBytes, w0, w1);
-    if constexpr (kUnsigned) {  // int16 sums, widened once per group
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i b = broadcast4(inputs + (j * R + r) * 4);
-        sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(w0, b));
-        sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(w1, b));
-        keep_in_register(sums[r][0]);
-        keep_in_register(sums[r][1]);
-      }
-    } else {  // signed codes: |code| times the activations with the codes' signs, to int32
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i b = broadcast4(inputs + (j * R + r) * 4);
-        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(b, w0));
-        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(b, w1));
-        sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(p0, ones));
-        sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(p1, ones));
-        keep_in_register(sums[r][0]);
-        keep_in_register(sums[r][1]);
-      }
-    }
-  }
-  if constexpr (kUnsigned) {
-    for (int r = 0; r < kRows; ++r) {
-      sums[r][0] = _mm256_madd_epi16(sums[r][0], ones);
-      sums[r][1] = _mm256_madd_epi16(sums[r][1], ones);
-    }
-  }
-}
-
-// The AVX2 instructions: a tile's sums in int16, then int32, features 0-7 and 8-15 apart.
-template <typename C>
-struct NarrowSums {
-  using Codes = C;
-  static constexpr int kTileRows = kNarrowTileRows;
-  using Sums = __m256i[kTileRows][2];
-  using Acc = float*;  // a row's 16 sums stay in memory: AVX2 has 16 vector registers
-  static Acc load(float* out) { return out; }
-  static void store(Acc, float*) {}
-  template <int kRows, int kFirst, int kLast>
-  __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
-                                                   const int8_t* inputs, Sums& sums) {
-    group_sums<Codes, kRows, kFirst, kLast>(codes, inputs, sums);
-  }
-  __attribute__((always_inline)) static void add(const __m256i (&sums)[2], float d, float sum,
-                                                 const float* scales, const float* zeros,
-                                                 Acc& out) {
-    add_group(sums, d, sum, scales, zeros, out);
-  }
-};
-
-#ifdef __AVX512VNNI__
-inline bool vnni_permitted() {
-  static const bool permitted = [] {
-    const char* setting = std::getenv("PAGELLM_VNNI");
-    return setting == nullptr || std::string_view(setting) != "0";
-  }();
-  return permitted;
-}
-
-// AVX512-VNNI: a row's sums for all 16 features in one int32 vector, then the float32
-// operations of add_group, lane for lane. vpdpbusd multiplies unsigned bytes with signed
-// ones: 4-bit codes are the unsigned operand; with 8-bit codes (signed) the activations
-// take that place, moved up by 128 (their sign bit flipped), and 128 times the codes' sum,
-// from a vpdpbusd of ones with the codes, comes off again. Exact integer sums either way
-// (at most 32 * 255 * 128 in a lane), equal to the bit to the AVX2 instructions'.
-template <typename C>
-struct WideSums {
-  using Codes = C;
-  // 8 rows share each vector of codes: their unpacking costs as much as 5 of the 8 vpdpbusd.
-  // A row's sums and float32 accumulator take 16 of the 32 registers.
-  static constexpr int kTileRows = 8;
-  using Sums = __m512i[kTileRows];
-  using Acc = __m512;  // a row's 16 sums, in a register over the tile's groups
-  static Acc load(const float* out) { return _mm512_loadu_ps(out); }
-  static void store(Acc acc, float* out) { _mm512_storeu_ps(out, acc); }
-  template <int kRows, int kFirst, int kLast>
-  __attribute__((always_inline)) static void group(const typename Codes::Byte* codes,
-                                                   const int8_t* inputs, Sums& sums) {
-    constexpr int R = kTileRows;  // the layout's rows per tile; the first kRows are computed
-    // A tile of one or two rows has too few sums to hide vpdpbusd's latency: each row's chain
-    // is split in two (even and odd steps), added at the end. Integer sums: equal to the bit.
-    constexpr int kChains = kRows <= 2 ? 2 : 1;
-    constexpr bool kSigned = std::is_same_v<typename Codes::Byte, int8_t>;
-    __m512i chains[kChains][kRows];
-    for (auto& chain : chains) {
-      for (int r = 0; r < kRows; ++r) chain[r] = _mm512_setzero_si512();
-    }
-    __m512i code_sums = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = kFirst; j < kLast; ++j) {
-      const __m512i w = Codes::load16(codes + j * Codes::kBytes);
-      if constexpr (kSigned) code_sums = _mm512_dpbusd_epi32(code_sums, _mm512_set1_epi8(1), w);
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        int32_t bytes;
-        std::memcpy(&bytes, inputs + (j * R + r) * 4, sizeof(bytes));
-        __m512i& sum = chains[(j - kFirst) % kChains][r];
-        const __m512i x = _mm512_set1_epi32(bytes);
-        if constexpr (kSigned) {
-          sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(x, _mm512_set1_epi8(-128)), w);
-        } else {
-          sum = _mm512_dpbusd_epi32(sum, w, x);
-        }
-      }
-    }
-    for (int r = 0; r < kRows; ++r) {
-      sums[r] = kChains == 1 ? chains[0][r] : _mm512_add_epi32(chains[0][r], chains[kChains - 1][r]);
-      if constexpr (kSigned) sums[r] = _mm512_sub_epi32(sums[r], _mm512_slli_epi32(code_sums, 7));
-    }
-  }
-  __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
-                                                 const float* scales, const float* zeros,
-                                                 Acc& acc) {
-    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(d));
-    acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(zeros), _mm512_set1_ps(sum), acc);
-  }
-};
-#endif
 
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
 // panel's 16 features, added group by group into the policy's accumulators. Inlined: a call
