@@ -146,27 +146,6 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
 
 
 @needs_int8
-@pytest.mark.parametrize("bits,group_size,nibbles",
-                         [(4, 32, True), (4, 32, False), (4, 16, True), (8, 32, False)],
-                         ids=["Q4_1-nibbles", "Q4_1-bytes", "halves", "Q8_0"])
-def test_a_row_of_the_int8_kernel_does_not_depend_on_the_rows_beside_it(
-        bits: int, group_size: int, nibbles: bool) -> None:
-    """Tiles compute only their rows that are not padding (a decode of one request: one row
-    of four), and a tile's one or two rows split each sum into two integer chains: every row
-    must still be the bits it is in any other batch, from 1 row (one partial tile) to 9."""
-    weight = random_weight(bits, 70, 192, True, group_size)
-    panels = weight.int8_panels(nibbles=nibbles) if bits == 4 else weight.int8_panels()
-    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(9))
-    alone = [quantized_linear_int8(x[i:i + 1], panels.codes, panels.scales, panels.zeros, 70)
-             for i in range(9)]
-    for tokens in range(1, 10):
-        together = quantized_linear_int8(x[:tokens], panels.codes, panels.scales, panels.zeros,
-                                         70)
-        for i in range(tokens):
-            assert torch.equal(together[i:i + 1], alone[i]), (tokens, i)
-
-
-@needs_int8
 @pytest.mark.parametrize("rows,cols,group_size,with_zeros",
                          [(203, 288, 32, True), (37, 2048, 32, False), (5, 32, 32, True),
                           (250, 96, 16, True)], ids=["Q4_1", "Q4_0-2048", "one-group", "halves"])

@@ -1,8 +1,8 @@
-"""The int8 kernel's AVX512-VNNI instructions against its AVX2 ones: the same integer sums
-(vpdpbusd adds exactly what vpmaddubsw and vpmaddwd add; for 8-bit codes, with the
-activations moved up by 128 and 128 times the codes' sum taken off), then the same float32
-operations per group, so equal to the bit. PAGELLM_VNNI=0 keeps the AVX2 instructions in
-another process."""
+"""The int8 kernel: a row's bits do not depend on the rows beside it, and its AVX512-VNNI
+instructions give its AVX2 ones' results: the same integer sums (vpdpbusd adds exactly what
+vpmaddubsw and vpmaddwd add; for 8-bit codes, with the activations moved up by 128 and 128
+times the codes' sum taken off), then the same float32 operations per group, so equal to the
+bit. PAGELLM_VNNI=0 keeps the AVX2 instructions in another process."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ HAS_VNNI = ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
 AVX2_PRODUCTS = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_int8_vnni import products
+from test_int8_kernel import products
 torch.save(products(), sys.argv[2])
 """
 
@@ -60,3 +60,24 @@ def test_vnni_gives_the_avx2_instructions_results_exactly(tmp_path: Path) -> Non
     assert len(vnni) == len(avx2) == 108
     for index, (got, expected) in enumerate(zip(vnni, avx2, strict=True)):
         assert torch.equal(got, expected), index
+
+
+@needs_int8
+@pytest.mark.parametrize("bits,group_size,nibbles",
+                         [(4, 32, True), (4, 32, False), (4, 16, True), (8, 32, False)],
+                         ids=["Q4_1-nibbles", "Q4_1-bytes", "halves", "Q8_0"])
+def test_a_row_of_the_int8_kernel_does_not_depend_on_the_rows_beside_it(
+        bits: int, group_size: int, nibbles: bool) -> None:
+    """Tiles compute only their rows that are not padding (a decode of one request: one row
+    of four), and a tile's one or two rows split each sum into two integer chains: every row
+    must still be the bits it is in any other batch, from 1 row (one partial tile) to 9."""
+    weight = random_weight(bits, 70, 192, True, group_size)
+    panels = weight.int8_panels(nibbles=nibbles) if bits == 4 else weight.int8_panels()
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(9))
+    alone = [quantized_linear_int8(x[i:i + 1], panels.codes, panels.scales, panels.zeros, 70)
+             for i in range(9)]
+    for tokens in range(1, 10):
+        together = quantized_linear_int8(x[:tokens], panels.codes, panels.scales, panels.zeros,
+                                         70)
+        for i in range(tokens):
+            assert torch.equal(together[i:i + 1], alone[i]), (tokens, i)
