@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
-
-import tokenizers
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from pagellm.cache_dir import pagellm_cache_dir
 from pagellm.logger import init_logger
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer loads: 1 s of a start
+    from transformers import PreTrainedTokenizerBase
 
 logger = init_logger(__name__)
 
@@ -24,7 +24,27 @@ def load_tokenizer(path: Path, tokenizer_override: str | None = None) -> PreTrai
     source = tokenizer_source(path, tokenizer_override)
     if source.suffix == ".gguf":
         return load_gguf_tokenizer(source)
-    return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    return load_tokenizer_folder(source)
+
+
+# tokenizer_config.json's classes that are transformers' generic fast tokenizer itself
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer_folder(folder: Path) -> PreTrainedTokenizerBase:
+    """AutoTokenizer imports transformers' model configurations, and with them torch: 1.3 s
+    on one core, in the API server, which needs no torch, and half a second more where torch
+    is imported. A folder whose tokenizer is the generic fast one (every GGUF tokenizer
+    pagellm caches, and many exports) loads through that class, the very object AutoTokenizer
+    would build; any other class (Llama's, Gemma's, ...) goes through AutoTokenizer."""
+    tokenizer_class = _read_json(folder / "tokenizer_config.json").get("tokenizer_class")
+    if tokenizer_class in _GENERIC_CLASSES and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def load_mistral_tokenizer(source: Path) -> Any:
@@ -51,7 +71,9 @@ def load_gguf_tokenizer(source: Path) -> PreTrainedTokenizerBase:
     in a tenth of a second."""
     cached = pagellm_cache_dir() / "tokenizers" / gguf_tokenizer_key(source)
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        return load_tokenizer_folder(cached)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name,
                                               local_files_only=True)
     _save_tokenizer(tokenizer, cached)
@@ -62,7 +84,8 @@ def gguf_tokenizer_key(source: Path) -> str:
     """Changes with the file's path, size or modification time, or the libraries' versions."""
     stat = source.stat()
     key = (f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
-           f"{transformers.__version__}|{tokenizers.__version__}")
+           f"{importlib.metadata.version('transformers')}|"
+           f"{importlib.metadata.version('tokenizers')}")
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 

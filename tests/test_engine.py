@@ -227,3 +227,21 @@ def test_decode_step_reads_the_weights_and_every_context(llama: LLM):
     _, read = time_decode_step(llama, [[5] * 20, [7] * 20, [9] * 20], steps=5)
     assert read == weights + 3 * (20 + 1 + (5 - 1) / 2) * token
     assert_all_blocks_free(llama)
+
+
+def test_an_engine_core_loads_no_tokenizer_until_something_needs_it(tiny_llama_dir: Path):
+    """Behind an API server the engine core starts without the tokenizer (the server loads
+    its own meanwhile): its import and load were a second of every restart. A grammar, a
+    draft model or the offline LLM load it at first use."""
+    from pagellm.engine.core import EngineCore
+    from pagellm.model.text import TokenizerSpec
+
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20)
+    core = EngineCore(args.model_config(), args.cache_config(), args.scheduler_config(),
+                      torch.device("cpu"), args.grammar_config())
+    info = core.model_info()
+    assert "text" not in vars(core.loaded)
+    assert (info.model_type, info.tokenizer_spec) == ("llama",
+                                                      TokenizerSpec(tiny_llama_dir, None, "hf"))
+    tokenizer = core.loaded.tokenizer
+    assert core.loaded.eos_token_ids[0] == tokenizer.eos_token_id

@@ -15,8 +15,9 @@ from tiny_models import write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from pagellm.kernels import cpu_kernels_available, gelu_tanh_and_mul
-from pagellm.model.gemma3 import CHAT_TEMPLATE, FULL, SLIDING
+from pagellm.model.gemma3 import FULL, SLIDING
 from pagellm.model.loader import load_model
+from pagellm.model.text import GEMMA3_CHAT_TEMPLATE
 from pagellm.tokenizer import apply_chat_template
 
 CPU = torch.device("cpu")
@@ -74,7 +75,7 @@ def test_builtin_chat_template(tiny_gemma3_dir: Path) -> None:
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "Bye"}]
-    text = tokenizer.decode(apply_chat_template(tokenizer, messages, CHAT_TEMPLATE))
+    text = tokenizer.decode(apply_chat_template(tokenizer, messages, GEMMA3_CHAT_TEMPLATE))
     assert text.endswith("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
                          "<start_of_turn>model\nHello<end_of_turn>\n"
                          "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")

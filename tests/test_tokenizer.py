@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -34,12 +36,12 @@ def test_gguf_tokenizer_is_cached_and_identical(smollm2_gguf: Path,
     def no_conversion(*args: object, **kwargs: object) -> None:
         raise AssertionError("the GGUF was converted again")
 
-    real = AutoTokenizer.from_pretrained
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained",
-                        lambda path, **kw: no_conversion() if "gguf_file" in kw
-                        else real(path, **kw))
+    # the cached folder loads without AutoTokenizer (whose import brings torch), as the
+    # same class AutoTokenizer built from the file
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
     cached = load_tokenizer(smollm2_gguf)
 
+    assert type(cached) is type(converted)
     assert len(cached) == len(converted) == 49152
     assert cached.get_added_vocab() == converted.get_added_vocab()
     assert (cached.bos_token_id, cached.eos_token_id, cached.pad_token_id) == (
@@ -53,6 +55,24 @@ def test_gguf_tokenizer_is_cached_and_identical(smollm2_gguf: Path,
     assert cached.chat_template == converted.chat_template
     assert (apply_chat_template(cached, messages, cached.chat_template)
             == apply_chat_template(converted, messages, converted.chat_template))
+
+
+def test_the_api_server_and_its_tokenizer_import_no_torch(smollm2_gguf: Path) -> None:
+    """The server's modules, and its tokenizer loaded as it loads it while the engine core
+    loads the weights, need neither torch nor AutoTokenizer (which imports torch): 1.3 s of
+    a restart on the server's CPU core."""
+    load_tokenizer(smollm2_gguf)  # the cached folder a restart finds
+    code = ("import sys\n"
+            "import pagellm.entrypoints.openai.api_server\n"
+            "from pagellm.mistral.formats import ModelFormats\n"
+            "from pagellm.model.text import load_early_tokenizer, model_text\n"
+            "early = load_early_tokenizer(None, None, ModelFormats())\n"
+            "text = model_text(early.tokenizer, early.spec, 'llama')\n"
+            "print(text.eos_token_ids, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120)
+    eos = load_tokenizer(smollm2_gguf).eos_token_id
+    assert result.stdout.split("\n")[-2] == f"[{eos}] False"
 
 
 def test_gguf_tokenizer_key_follows_the_file(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from pagellm.lora.request import LoRARequest
 from pagellm.metrics.loggers import (LOG_INTERVAL_SECONDS, LoggingStatLogger,
                                      PrometheusStatLogger, StatLogger)
 from pagellm.metrics.stats import IterationStats
+from pagellm.model.text import load_early_tokenizer, model_text, tokenizer_for
 from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus, child_request_id
 from pagellm.sampling_params import OutputKind, SamplingParams
@@ -72,18 +73,22 @@ class AsyncLLM:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        """Once the engine cores have loaded: the tokenizer, processors and stat loggers."""
+        """Once the engine cores have loaded: the tokenizer (loaded here while they load),
+        processors and stat loggers."""
+        args = self.args
         try:
+            early = load_early_tokenizer(args.model, args.tokenizer, args.model_config().formats())
             ready = self.client.wait_ready()
+            spec = ready.info.tokenizer_spec
+            text = model_text(tokenizer_for(spec, early), spec, ready.info.model_type)
         except BaseException:
             self.client.shutdown()
             raise
-        args = self.args
         self.info = ready.info
         self.model_path = Path(ready.model_path)
-        self.tokenizer = ready.tokenizer
-        self.chat_template = load_chat_template(args.chat_template) or ready.chat_template
-        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.tokenizer = text.tokenizer
+        self.chat_template = load_chat_template(args.chat_template) or text.chat_template
+        self.input_processor = InputProcessor(text, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.tokenizer_pool = TokenizerPool(self.tokenizer)
         self.model_name = args.served_model_name or args.model or self.model_path.name

@@ -103,8 +103,7 @@ class EngineCore:
         self._failed: list[Request] = []  # requests whose adapter failed to load
         self._block_map_time = float("-inf")
         self.structured_outputs = StructuredOutputManager(
-            self.loaded.tokenizer, self.loaded.arch.vocab_size, list(self.loaded.eos_token_ids),
-            structured_outputs_config)
+            lambda: self.loaded.text, self.loaded.arch.vocab_size, structured_outputs_config)
 
     def _load(self, config: ModelConfig, kv_cache_dtype: torch.dtype,
               block_size: int) -> LoadedModel:
@@ -248,8 +247,8 @@ class EngineCore:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(max_model_len=self.max_model_len, vocab_size=self.loaded.arch.vocab_size,
-                         eos_token_ids=list(self.loaded.eos_token_ids),
-                         num_kv_blocks=self.num_blocks)
+                         model_type=self.loaded.arch.model_type,
+                         tokenizer_spec=self.loaded.tokenizer_spec, num_kv_blocks=self.num_blocks)
 
     def add_request(self, request: Request) -> None:
         """A request whose adapter fails to load (evicted from the LRU, then its files

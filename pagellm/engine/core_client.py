@@ -32,13 +32,11 @@ logger = init_logger(__name__)
 _PROGRESS_SECONDS = 15.0
 @dataclass
 class CoreReady:
-    """Sent once the model is loaded; the tokenizer travels pickled, which is much faster
-    than parsing it again (a GGUF vocabulary takes seconds)."""
+    """Sent once the model is loaded. The front end loads its own tokenizer meanwhile
+    (pagellm.model.text says why)."""
 
     info: ModelInfo
     model_path: str
-    chat_template: str | None
-    tokenizer: Any
 
 
 @dataclass
@@ -142,9 +140,7 @@ def run_engine_core(conn: CoreConnection, args: EngineArgs,
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         conn.send(CoreFailed(str(error), isinstance(error, ModelLoadError)))
         return
-    loaded = core.loaded
-    conn.send(CoreReady(core.model_info(), str(loaded.path), loaded.chat_template,
-                        loaded.tokenizer))
+    conn.send(CoreReady(core.model_info(), str(core.loaded.path)))
     try:
         _step_loop(core, conn, place.rank)
     except (EOFError, ConnectionError, KeyboardInterrupt):  # the server is gone

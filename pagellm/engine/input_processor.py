@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.lora.request import LoRARequest
+from pagellm.model.text import ModelText, TokenizerSpec
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -26,13 +27,15 @@ class ModelInfo:
 
     max_model_len: int
     vocab_size: int
-    eos_token_ids: list[int]
+    model_type: str  # the family, for its chat template and EOS ids (pagellm.model.text)
+    tokenizer_spec: TokenizerSpec
     num_kv_blocks: int = 0  # the first tier's, for the engine view's map before any step
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, info: ModelInfo) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, text: ModelText, info: ModelInfo) -> None:
+        self.tokenizer = text.tokenizer
+        self.eos_token_ids = text.eos_token_ids
         self.info = info
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
@@ -63,7 +66,7 @@ class InputProcessor:
 
     def with_extra_eos(self, params: SamplingParams) -> SamplingParams:
         """Models with several end tokens stop on all of them (unless ignore_eos)."""
-        extra = [t for t in self.info.eos_token_ids[1:] if t not in params.stop_token_ids]
+        extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
         if not extra or params.ignore_eos:
             return params
         params = params.clone()
@@ -81,7 +84,7 @@ class InputProcessor:
                      arrival_time: float | None = None,
                      lora_request: LoRARequest | None = None) -> Request:
         self.check_token_ids(params)
-        eos = self.info.eos_token_ids
+        eos = self.eos_token_ids
         return Request(
             request_id=request_id, prompt_token_ids=prompt.token_ids,
             sampling_params=self.with_extra_eos(params),

@@ -40,7 +40,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.chat_template = load_chat_template(args.chat_template) or loaded.chat_template
         self.info = self.core.model_info()
-        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.input_processor = InputProcessor(loaded.text, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats: SchedulerStats | None = None
 

@@ -33,24 +33,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_PATTERN = 6  # every sixth layer is global (Gemma 3's layout and llama.cpp's)
 _LOCAL_ROPE_THETA = 10000.0
 
-# The template Gemma 3's instruction-tuned releases carry, for files that do not (GGUF
-# conversions often lack it): a system message is folded into the first user turn, the
-# assistant's role is called "model", and each turn ends with <end_of_turn>.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set first = 0 %}{% set system = '' %}"
-    "{% if messages and messages[0]['role'] == 'system' %}"
-    "{% set system = messages[0]['content'] + '\n\\n' %}{% set first = 1 %}{% endif %}"
-    "{% for message in messages[first:] %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' }}"
-    "{% if loop.first %}{{ system }}{% endif %}"
-    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-END_OF_TURN = "<end_of_turn>"
-
 
 def default_layer_types(num_layers: int, pattern: int = _DEFAULT_PATTERN) -> list[str]:
     return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from transformers import PreTrainedTokenizerBase
 
 from pagellm.kernels import bf16_tiles_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import model_file_error, reading
-from pagellm.model.gemma3 import CHAT_TEMPLATE as GEMMA3_CHAT_TEMPLATE
-from pagellm.model.gemma3 import END_OF_TURN as GEMMA3_END_OF_TURN
 from pagellm.model.gemma3 import Gemma3ForCausalLM
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear, quantized_supported
 from pagellm.model.quantized_timing import (choose_torch_int4, int8_beats_dense,
@@ -29,11 +27,10 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.moe import MoeForCausalLM
 from pagellm.model.paths import resolve_model_path
 from pagellm.model.prepared_weights import load_prepared, prepared_path, save_prepared
+from pagellm.model.text import ModelText, TokenizerSpec, load_text_tokenizer, model_text
 from pagellm.mistral.formats import ModelFormats
 from pagellm.mistral.params import has_vision_encoder, read_params
 from pagellm.mistral.weights import consolidated_files, mistral_weights
-from pagellm.tokenizer import (eos_token_ids, find_chat_template, load_mistral_tokenizer,
-                               load_tokenizer, tokenizer_source)
 
 if TYPE_CHECKING:
     import gguf
@@ -44,11 +41,28 @@ logger = init_logger(__name__)
 class LoadedModel:
     model: LlamaForCausalLM
     arch: ArchConfig
-    tokenizer: PreTrainedTokenizerBase
-    chat_template: str | None
     path: Path
     weights_seconds: float
-    eos_token_ids: list[int]
+    tokenizer_spec: TokenizerSpec
+
+    @functools.cached_property
+    def text(self) -> ModelText:
+        """Loaded at first use (pagellm.model.text): an engine core behind an API server
+        needs it only for a grammar or a draft model."""
+        return model_text(load_text_tokenizer(self.tokenizer_spec), self.tokenizer_spec,
+                          self.arch.model_type)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.text.tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.text.chat_template
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.text.eos_token_ids
 
 
 class WeightShard:
@@ -107,7 +121,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     seconds = time.perf_counter() - start
     logger.info("Loading weights took %.2f seconds", seconds)
 
-    return with_tokenizer(net, arch, path, tokenizer, seconds, formats.tokenizer_mode)
+    return LoadedModel(net, arch, path, seconds,
+                       TokenizerSpec(path, tokenizer, formats.tokenizer_mode))
 
 
 def load_folder_model(path: Path, formats: ModelFormats, dtype: torch.dtype,
@@ -136,27 +151,6 @@ def load_folder_model(path: Path, formats: ModelFormats, dtype: torch.dtype,
             net.load_weights(shard.dense(text_weights(weights) if vision_language else weights))
     pack_if_supported(net, dtype, device)
     return arch, net
-
-
-def with_tokenizer(net: LlamaForCausalLM, arch: ArchConfig, path: Path, tokenizer: str | None,
-                   seconds: float, tokenizer_mode: str = "hf") -> LoadedModel:
-    """The loaded model paired with its tokenizer, chat template and EOS ids."""
-    source = tokenizer_source(path, tokenizer)
-    if tokenizer_mode == "mistral":
-        tok = load_mistral_tokenizer(source)
-        return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=None, path=path,
-                           weights_seconds=seconds, eos_token_ids=[tok.eos_token_id])
-    with reading(source, "the tokenizer does not load"):
-        tok = load_tokenizer(path, tokenizer)
-        chat_template = find_chat_template(source, tok)
-    eos_ids = eos_token_ids(path, tok)
-    if arch.model_type == "gemma3_text":  # a GGUF file may carry neither
-        chat_template = chat_template or GEMMA3_CHAT_TEMPLATE
-        end_of_turn = tok.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
-        if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
-            eos_ids = list(dict.fromkeys([*eos_ids, end_of_turn]))
-    return LoadedModel(model=net, arch=arch, tokenizer=tok, chat_template=chat_template,
-                       path=path, weights_seconds=seconds, eos_token_ids=eos_ids)
 
 
 def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:

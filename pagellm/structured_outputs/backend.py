@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagellm.structured_outputs.params import StructuredOutputsConfig, StructuredOutputsParams
+
+if TYPE_CHECKING:  # the API server validates specs without importing torch
+    import torch
 
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -79,6 +81,21 @@ class GrammarBackend(ABC):
     @staticmethod
     def any_whitespace(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> bool:
         return not (params.disable_any_whitespace or config.disable_any_whitespace)
+
+
+def import_backends_in_background() -> threading.Thread:
+    """Import both grammar libraries on a daemon thread. xgrammar imports torch, 3 s on one
+    core that an API server, which validates specs but never computes, would otherwise only
+    spend on its first structured request (stalling its event loop); spent at start-up, they
+    delayed `/health` as long. Started once the server listens: a structured request that
+    comes sooner waits on the import lock for what is left."""
+    def import_all() -> None:
+        for name in ("xgrammar", "guidance"):
+            backend_class(name)
+
+    thread = threading.Thread(target=import_all, name="grammar-libraries", daemon=True)
+    thread.start()
+    return thread
 
 
 def backend_class(name: str) -> type[GrammarBackend]:

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from pagellm.structured_outputs.backend import (CompiledGrammar, GrammarBackend,
 from pagellm.structured_outputs.params import StructuredOutputsConfig, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from pagellm.model.text import ModelText
     from pagellm.request import Request
 
 logger = init_logger(__name__)
@@ -88,10 +89,13 @@ def fill_bitmasks(grammars: Sequence[Any], bitmask: torch.Tensor) -> None:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+    def __init__(self, model_text: Callable[[], ModelText], vocab_size: int,
                  config: StructuredOutputsConfig | None = None) -> None:
+        """`model_text`: the tokenizer and stop tokens, asked for by the first grammar (an
+        engine core behind an API server loads no tokenizer before)."""
         self.config = config or StructuredOutputsConfig()
-        self._backend_args = (tokenizer, vocab_size, stop_token_ids, self.config)
+        self._model_text = model_text
+        self._vocab_size = vocab_size
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
@@ -121,7 +125,9 @@ class StructuredOutputManager:
         # library held the GIL and the import locks: while the engine loaded, it stalled the
         # load by a second; once ready, the first requests.
         if backend is None:
-            backend = backend_class(name)(*self._backend_args)
+            text = self._model_text()
+            backend = backend_class(name)(text.tokenizer, self._vocab_size,
+                                          list(text.eos_token_ids), self.config)
             with self._lock:
                 backend = self._backends.setdefault(name, backend)
         return backend

@@ -43,6 +43,7 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_lora import LoRAAdapters, add_lora_routes
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.logger import init_logger
+from pagellm.structured_outputs.backend import import_backends_in_background
 
 logger = init_logger(__name__)
 
@@ -273,6 +274,7 @@ class _Server(DrainingServer):
         if not self.should_exit:
             logger.info(ready_line(self.settings.host, self.settings.port,
                                    self.settings.frontend))
+            import_backends_in_background()
 
 
 async def serve(settings: ServerSettings, sock: socket.socket, engine: AsyncLLM,

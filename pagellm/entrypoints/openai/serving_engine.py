@@ -27,7 +27,6 @@ from pagellm.lora.request import LoRARequest
 from pagellm.entrypoints.openai.response_models import PromptLogprob, PromptLogprobsBody
 from pagellm.outputs import Logprob, PromptLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.structured_outputs.backend import backend_class
 from pagellm.structured_outputs.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
@@ -151,8 +150,6 @@ class OpenAIServing:
         self.model_names = model_names
         self.log_requests = log_requests
         self.structured_outputs_config = engine.args.grammar_config()
-        for name in ("xgrammar", "guidance"):  # imported now, not by the first request
-            backend_class(name)
 
     @property
     def max_model_len(self) -> int:
