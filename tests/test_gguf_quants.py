@@ -1,8 +1,10 @@
-"""Q5_0 and Q5_1 GGUF matrices kept as stored (8-bit codes with per-32 scales and zeros),
-and GGUF files pagellm cannot read failing at start with one line that names the cause."""
+"""GGUF matrices read into groups of codes exactly as stored (Q4_0, Q4_1, the K-quants, Q5_0
+and Q5_1 as 8-bit codes with per-32 scales and zeros), and GGUF files pagellm cannot read
+failing at start with one line that names the cause."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,17 +13,21 @@ import numpy as np
 import pytest
 import torch
 from test_models import PagedCache
+from test_quantized import random_weight
 from tiny_models import write_tiny_gguf
 
 from pagellm.kernels import cpu_kernels_available
-from pagellm.model.arch import arch_from_gguf
+from pagellm.model.arch import arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import ModelLoadError
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.loader import load_model
-from pagellm.model.quantized import Linear
+from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 
 CPU = torch.device("cpu")
+Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                    gguf.GGMLQuantizationType.Q8_0)
 Q5_0, Q5_1 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.mark.parametrize("quantization", [Q5_0, Q5_1], ids=["Q5_0", "Q5_1"])
@@ -59,6 +65,87 @@ def test_q5_model_multiplies_its_codes_batch_invariantly(tiny_model_factory: Cal
     prompts = [list(range(3, 30)), list(range(50, 58))]
     logits = [PagedCache(m.arch).step(m.model, list(enumerate(prompts))) for m in (dense, stored)]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_codes_pack_two_elements_per_byte_in_gguf_order() -> None:
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    weight = GroupQuantWeight(codes, torch.ones(1, 2), None, 4)
+    packed = weight.kernel_codes()
+    assert packed.shape == (1, 32)
+    # element j of a group in the low nibble of byte j, element 16 + j in its high nibble
+    assert packed[0, 0].item() == (codes[0, 0] | codes[0, 16] << 4).item()
+    assert packed[0, 17].item() == (codes[0, 33] | codes[0, 49] << 4).item()
+
+
+@pytest.mark.parametrize("quantization", [Q4_0, Q4_1], ids=["Q4_0", "Q4_1"])
+def test_gguf_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
+                                                 tmp_path: Path,
+                                                 quantization: gguf.GGMLQuantizationType) -> None:
+    path = write_tiny_gguf(tiny_model_factory("llama"), tmp_path / "tiny.gguf", quantization,
+                           embedding_quantization=Q8_0)
+    reader = gguf.GGUFReader(path)
+    arch = arch_from_gguf(reader)
+    dense = dict(gguf_weights(reader, arch))
+    grouped = dict(gguf_quantized_weights(reader, arch))
+    projections = sorted(name for name in dense if name.split(".")[-2] in PROJECTIONS)
+    assert len(projections) == len(PROJECTIONS) * arch.num_hidden_layers
+    assert sorted(grouped) == sorted([*projections, "lm_head.weight", "model.embed_tokens.weight"])
+    for name, weight in grouped.items():  # q/k rows unpermuted like the dense ones
+        assert weight.bits == (8 if "lm_head" in name or "embed" in name else 4)
+        torch.testing.assert_close(weight.dequantize(), dense[name], atol=1e-6, rtol=0)
+
+
+def random_k_blocks(rows: int, cols: int, block_bytes: int) -> np.ndarray:
+    """K-quant blocks of random bytes (Q4_K: 144 per 256 weights, Q5_K: 176) with small
+    positive fp16 d and dmin: gguf-py has no K-quant quantizer, only the reference
+    dequantizer."""
+    rng = np.random.default_rng(rows + cols)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, block_bytes), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin
+        halves = rng.uniform(1e-3, 2e-2, size=len(blocks)).astype(np.float16)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
+@pytest.mark.parametrize("quantization,block_bytes,bits",
+                         [(gguf.GGMLQuantizationType.Q4_K, 144, 4),
+                          (gguf.GGMLQuantizationType.Q5_K, 176, 8)], ids=["Q4_K", "Q5_K"])
+def test_k_quant_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
+                                                    tmp_path: Path,
+                                                    quantization: gguf.GGMLQuantizationType,
+                                                    block_bytes: int, bits: int) -> None:
+    rows, cols = 24, 512
+    path = tmp_path / "k_quant.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", random_k_blocks(rows, cols, block_bytes),
+                      raw_dtype=quantization)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    config = json.loads((tiny_model_factory("llama") / "config.json").read_text())
+    [(name, weight)] = gguf_quantized_weights(reader, arch_from_hf_config(config))
+    assert name == "model.layers.0.mlp.up_proj.weight" and weight.bits == bits
+    reference = gguf.quants.dequantize(reader.tensors[0].data, quantization)
+    reference = torch.from_numpy(reference.reshape(rows, cols))
+    torch.testing.assert_close(weight.dequantize(), reference, atol=1e-6, rtol=1e-6)
+    layer = Linear(cols, rows, bias=False)
+    layer.attach_quantized(weight, max_tokens=ANY_TOKENS)
+    x = torch.randn(5, cols)
+    torch.testing.assert_close(layer(x), x @ reference.T, atol=1e-4, rtol=1e-5)
+
+
+def test_shards_of_mixed_widths_fuse_as_8_bit_codes() -> None:
+    """A projection whose shards come as 4-bit and 8-bit codes (Q4_K q/k with a Q5_K v)
+    keeps one quantized form: the 4-bit codes widened, the same weights."""
+    parts = [random_weight(4, 64, 96, with_zeros=True), random_weight(4, 32, 96, False),
+             random_weight(8, 32, 96, with_zeros=False)]
+    fused = GroupQuantWeight.cat(parts)
+    assert fused.bits == 8 and fused.codes.dtype == torch.int8
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]),
+                               atol=1e-7, rtol=0)
 
 
 def _write_gguf(path: Path, arch: str, tensor: np.ndarray,

@@ -1,12 +1,11 @@
-"""GGUF quantized matrices multiplied as stored: the file's groups read exactly, every kernel
-on them (pagellm's float and int8 ones, AMX's, torch's int4) against the dequantized
-matmul, and whole models within the quantization's error. Which kernel a step size gets,
-and which forms a layer keeps: test_quantized_choices.py."""
+"""GGUF quantized matrices multiplied as stored: every kernel on them (pagellm's float and
+int8 ones, AMX's, torch's int4) against the dequantized matmul, and whole models within the
+quantization's error. The file's groups read exactly: test_gguf_quants.py. Which kernel a
+step size gets, and which forms a layer keeps: test_quantized_choices.py."""
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from test_models import PagedCache, greedy_decode
@@ -23,11 +21,11 @@ from tiny_models import write_tiny_gguf
 import pagellm.model.quantized as quantized_module
 from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, int8_tiles_available,
                              quantized_linear_int8)
-from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
-from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.arch import ArchConfig
+from pagellm.model.gguf_weights import gguf_quantized_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
+from pagellm.model.quantized import GroupQuantWeight, Linear
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
@@ -35,9 +33,7 @@ needs_int8 = pytest.mark.skipif(not int8_matmul_available(),
                                 reason="no AVX2: the int8 kernel is not built")
 
 CPU = torch.device("cpu")
-Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                    gguf.GGMLQuantizationType.Q8_0)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
 
 def random_weight(bits: int, rows: int, cols: int, with_zeros: bool,
@@ -215,86 +211,6 @@ def test_amx_tiles_give_the_avx2_kernels_results_exactly(tmp_path: Path) -> None
                     str(saved)], env={**os.environ, "PAGELLM_AMX": "0"}, check=True)
     for amx, avx2 in zip(int8_products(), torch.load(saved), strict=True):
         assert torch.equal(amx, avx2)
-
-
-def test_kernel_codes_pack_two_elements_per_byte_in_gguf_order() -> None:
-    codes = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
-    weight = GroupQuantWeight(codes, torch.ones(1, 2), None, 4)
-    packed = weight.kernel_codes()
-    assert packed.shape == (1, 32)
-    # element j of a group in the low nibble of byte j, element 16 + j in its high nibble
-    assert packed[0, 0].item() == (codes[0, 0] | codes[0, 16] << 4).item()
-    assert packed[0, 17].item() == (codes[0, 33] | codes[0, 49] << 4).item()
-
-
-@pytest.mark.parametrize("quantization", [Q4_0, Q4_1], ids=["Q4_0", "Q4_1"])
-def test_gguf_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
-                                                 tmp_path: Path,
-                                                 quantization: gguf.GGMLQuantizationType) -> None:
-    path = write_tiny_gguf(tiny_model_factory("llama"), tmp_path / "tiny.gguf", quantization,
-                           embedding_quantization=Q8_0)
-    reader = gguf.GGUFReader(path)
-    arch = arch_from_gguf(reader)
-    dense = dict(gguf_weights(reader, arch))
-    grouped = dict(gguf_quantized_weights(reader, arch))
-    projections = sorted(name for name in dense if name.split(".")[-2] in PROJECTIONS)
-    assert len(projections) == len(PROJECTIONS) * arch.num_hidden_layers
-    assert sorted(grouped) == sorted([*projections, "lm_head.weight", "model.embed_tokens.weight"])
-    for name, weight in grouped.items():  # q/k rows unpermuted like the dense ones
-        assert weight.bits == (8 if "lm_head" in name or "embed" in name else 4)
-        torch.testing.assert_close(weight.dequantize(), dense[name], atol=1e-6, rtol=0)
-
-
-def random_k_blocks(rows: int, cols: int, block_bytes: int) -> np.ndarray:
-    """K-quant blocks of random bytes (Q4_K: 144 per 256 weights, Q5_K: 176) with small
-    positive fp16 d and dmin: gguf-py has no K-quant quantizer, only the reference
-    dequantizer."""
-    rng = np.random.default_rng(rows + cols)
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, block_bytes), dtype=np.uint8)
-    for at in (0, 2):  # d, dmin
-        halves = rng.uniform(1e-3, 2e-2, size=len(blocks)).astype(np.float16)
-        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-@pytest.mark.parametrize("quantization,block_bytes,bits",
-                         [(gguf.GGMLQuantizationType.Q4_K, 144, 4),
-                          (gguf.GGMLQuantizationType.Q5_K, 176, 8)], ids=["Q4_K", "Q5_K"])
-def test_k_quant_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str], Path],
-                                                    tmp_path: Path,
-                                                    quantization: gguf.GGMLQuantizationType,
-                                                    block_bytes: int, bits: int) -> None:
-    rows, cols = 24, 512
-    path = tmp_path / "k_quant.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", random_k_blocks(rows, cols, block_bytes),
-                      raw_dtype=quantization)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = gguf.GGUFReader(path)
-    config = json.loads((tiny_model_factory("llama") / "config.json").read_text())
-    [(name, weight)] = gguf_quantized_weights(reader, arch_from_hf_config(config))
-    assert name == "model.layers.0.mlp.up_proj.weight" and weight.bits == bits
-    reference = gguf.quants.dequantize(reader.tensors[0].data, quantization)
-    reference = torch.from_numpy(reference.reshape(rows, cols))
-    torch.testing.assert_close(weight.dequantize(), reference, atol=1e-6, rtol=1e-6)
-    layer = Linear(cols, rows, bias=False)
-    layer.attach_quantized(weight, max_tokens=ANY_TOKENS)
-    x = torch.randn(5, cols)
-    torch.testing.assert_close(layer(x), x @ reference.T, atol=1e-4, rtol=1e-5)
-
-
-def test_shards_of_mixed_widths_fuse_as_8_bit_codes() -> None:
-    """A projection whose shards come as 4-bit and 8-bit codes (Q4_K q/k with a Q5_K v)
-    keeps one quantized form: the 4-bit codes widened, the same weights."""
-    parts = [random_weight(4, 64, 96, with_zeros=True), random_weight(4, 32, 96, False),
-             random_weight(8, 32, 96, with_zeros=False)]
-    fused = GroupQuantWeight.cat(parts)
-    assert fused.bits == 8 and fused.codes.dtype == torch.int8
-    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]),
-                               atol=1e-7, rtol=0)
 
 
 def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:

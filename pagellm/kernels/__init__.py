@@ -39,9 +39,9 @@ _UNITS = (
      "sampling_noise.cpp", "quantized_linear_bf16_amx.cpp", "quantized_linear_amx.cpp"),
 )
 _SOURCES = [_HERE / name for unit in _UNITS for name in unit]
-_HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "quantized_linear.h",
-                                      "int8_group_sums.h", "int8_rows.h", "attention_scores.h",
-                                      "amx_tiles.h")]
+_HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
+                                      "quantized_linear.h", "int8_group_sums.h", "int8_rows.h",
+                                      "attention_scores.h", "amx_tiles.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
