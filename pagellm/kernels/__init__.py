@@ -34,7 +34,7 @@ _HERE = Path(__file__).parent
 _UNITS = (
     ("paged_attention.cpp", "decode_attention_invariant.cpp", "write_kv.cpp",
      "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
-     "token_mask.cpp"),
+     "token_mask.cpp", "decoder_layer.cpp"),
     ("quantized_linear_int8.cpp", "prefill_attention.cpp", "quantized_linear.cpp",
      "sampling_noise.cpp", "quantized_linear_bf16_amx.cpp", "quantized_linear_amx.cpp"),
 )

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.fused_layer import can_fuse, fused_forward
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate_
 
@@ -75,6 +76,8 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # (projections, whether fused_layer serves them): see can_fuse
+        self.fused_check: tuple[tuple[nn.Module, ...], bool] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, angles: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -82,6 +85,9 @@ class DecoderLayer(nn.Module):
                 query_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the running sum before it): the next norm adds them.
         With `output_rows`, of those rows only (their keys and values are all cached)."""
+        if (residual is not None and output_rows is None and query_scales is None
+                and can_fuse(self, x)):
+            return fused_forward(self, x, residual, angles, kv_cache, metadata)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:

@@ -1,0 +1,89 @@
+"""A Llama-family decoder layer in three calls: C++ before its attention, the attention,
+C++ after it (kernels/decoder_layer.cpp).
+
+At one decoding request a layer's kernels take about 70 us, and the Python around them
+(nine module calls, the projections' and norms' wrappers, a dozen views and checks) about
+95 us more. The two ops run the same kernels in the same order on the same tensors, so the
+bits are the modules' own. They serve the layers whose every projection multiplies only its
+int8 panels (the engine's batch-invariant default on a GGUF), with no bias, q/k norm, LoRA
+adapter or hook (a tensor-parallel rank's all-reduce); every other layer, and the first (its
+running sum starts there) and last (its output rows) of a step, takes the modules' path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.kernels import int8_matmul_available
+from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.layers import RMSNorm
+from pagellm.model.quantized import Linear
+
+if TYPE_CHECKING:
+    from pagellm.model.llama import DecoderLayer
+
+
+@functools.cache
+def fused_layer_available() -> bool:
+    return int8_matmul_available() and hasattr(torch.ops.pagellm, "attention_input")
+
+
+def _int8_only(linear: torch.nn.Module) -> bool:
+    return (type(linear) is Linear and linear.batch_invariant and linear.int8_panels is not None
+            and linear.bias is None and not linear._forward_hooks
+            and not linear._forward_pre_hooks)
+
+
+def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
+    attention, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+    return (attention._modules["qkv_proj"], attention._modules["o_proj"],
+            mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
+
+
+def can_fuse(layer: DecoderLayer, x: torch.Tensor) -> bool:
+    """The full check runs once per set of projections and is kept on the layer: LoRA
+    replaces projections and parallel ranks hook them after load, which a later call sees
+    (a new module, or a hook) and checks again."""
+    if x.dim() != 2 or x.device.type != "cpu":
+        return False
+    projections = _projections(layer)
+    if layer.fused_check is not None and layer.fused_check[0] == projections:
+        return layer.fused_check[1] and not any(p._forward_hooks or p._forward_pre_hooks
+                                                for p in projections)
+    attention = layer.self_attn
+    fusable = (fused_layer_available() and attention.q_norm is None
+               and type(layer.input_layernorm) is RMSNorm
+               and type(layer.post_attention_layernorm) is RMSNorm
+               and all(map(_int8_only, projections)))
+    layer.fused_check = (projections, fusable)
+    return fusable
+
+
+def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
+                  angles: torch.Tensor, kv_cache: torch.Tensor,
+                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """DecoderLayer.forward's result for a step with a running sum, all rows kept."""
+    attention, mlp = layer.self_attn, layer.mlp
+    norm, qkv_panels = layer.input_layernorm, attention.qkv_proj.int8_panels
+    q_size, kv_size = attention.shard_sizes[:2]
+    qkv = torch.ops.pagellm.attention_input(
+        x, residual, norm.weight, norm.eps, qkv_panels.codes, qkv_panels.scales,
+        qkv_panels.zeros, attention.qkv_proj.out_features, angles, q_size + kv_size,
+        attention.head_dim)
+    tokens, head_dim = qkv.shape[0], attention.head_dim
+    q = qkv[:, :q_size].view(tokens, attention.num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, attention.num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(tokens, attention.num_kv_heads, head_dim)
+    out = paged_attention(q, k, v, kv_cache, metadata, scale=attention.scale,
+                          window=attention.window)
+    o, gate_up, down = (attention.o_proj.int8_panels, mlp.gate_up_proj.int8_panels,
+                        mlp.down_proj.int8_panels)
+    post = layer.post_attention_layernorm
+    hidden = torch.ops.pagellm.attention_output(
+        out, residual, o.codes, o.scales, o.zeros, post.weight, post.eps, gate_up.codes,
+        gate_up.scales, gate_up.zeros, mlp.down_proj.in_features, down.codes, down.scales,
+        down.zeros)
+    return hidden, residual
