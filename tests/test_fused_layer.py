@@ -69,3 +69,8 @@ def test_only_plain_int8_projections_fuse(smollm2: LLM) -> None:
         layer.self_attn.qkv_proj = original
     assert can_fuse(layer, x)
     assert not can_fuse(layer, x.to("meta"))
+    mlp, layer.mlp = layer.mlp, nn.Identity()  # as a MoE model's experts replace it
+    try:
+        assert not can_fuse(layer, x)
+    finally:
+        layer.mlp = mlp

@@ -19,7 +19,7 @@ import torch
 
 from pagellm.kernels import int8_matmul_available
 from pagellm.model.attention import AttentionMetadata, paged_attention
-from pagellm.model.layers import RMSNorm
+from pagellm.model.layers import GatedMLP, RMSNorm
 from pagellm.model.quantized import Linear
 
 if TYPE_CHECKING:
@@ -37,8 +37,11 @@ def _int8_only(linear: torch.nn.Module) -> bool:
             and not linear._forward_pre_hooks)
 
 
-def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
+def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...] | None:
+    """None where the MLP is not a SwiGLU one (a MoE model's experts)."""
     attention, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+    if type(mlp) is not GatedMLP:
+        return None
     return (attention._modules["qkv_proj"], attention._modules["o_proj"],
             mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
 
@@ -50,6 +53,8 @@ def can_fuse(layer: DecoderLayer, x: torch.Tensor) -> bool:
     if x.dim() != 2 or x.device.type != "cpu":
         return False
     projections = _projections(layer)
+    if projections is None:
+        return False
     if layer.fused_check is not None and layer.fused_check[0] == projections:
         return layer.fused_check[1] and not any(p._forward_hooks or p._forward_pre_hooks
                                                 for p in projections)
