@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "float_transpose.h"
 #include "quantized_linear.h"
 #include "vectorizable.h"
 
@@ -169,22 +170,11 @@ constexpr int64_t kMinPanelRows = 12;  // below this, widening on every pass cos
 
 // Transpose 8 vectors in place: v[i][j] becomes v[j][i].
 inline void transpose8(f32x8 v[8]) {
-#ifdef __AVX2__
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps((__m256)v[i], (__m256)v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps((__m256)v[i], (__m256)v[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    v[i + 4] = (f32x8)_mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = (__m256)v[i];
+  pagellm::float_vectors::transpose_8x8(r);
+  for (int i = 0; i < 8; ++i) v[i] = (f32x8)r[i];
 #else
   for (int i = 0; i < 8; ++i) {
     for (int j = i + 1; j < 8; ++j) std::swap(v[i][j], v[j][i]);
