@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pagellm.platform as platform
-from pagellm.platform import resolve_dtypes, zeros_in_huge_pages
+from pagellm.platform import copies_in_huge_pages, resolve_dtypes, zeros_in_huge_pages
 
 
 def anon_huge_kib(start: int, end: int) -> int:
@@ -47,6 +47,20 @@ def test_linux_backs_it_with_huge_pages_where_they_are_on_request() -> None:
     cache = zeros_in_huge_pages((64, 1 << 20), torch.uint8)  # 64 MiB
     cache.fill_(1)  # the pages are taken when first written
     assert anon_huge_kib(cache.data_ptr(), cache.data_ptr() + cache.numel()) > 0
+
+
+
+def test_copies_keep_values_dtypes_and_shapes_each_from_a_cache_line() -> None:
+    tensors = [torch.randn(3, 5), torch.randint(-128, 127, (7,), dtype=torch.int8),
+               torch.randn(2, 9).bfloat16(), torch.randint(0, 255, (4, 3, 2), dtype=torch.uint8)]
+    copies = copies_in_huge_pages(tensors)
+    for tensor, copy in zip(tensors, copies):
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape
+        assert torch.equal(copy, tensor) and copy.data_ptr() % 64 == 0
+        assert copy.data_ptr() != tensor.data_ptr()
+    assert copies[0].data_ptr() % (2 << 20) == 0
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= start for end, start in zip(ends, [c.data_ptr() for c in copies[1:]]))
 
 
 CPU = torch.device("cpu")

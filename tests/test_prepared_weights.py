@@ -11,8 +11,9 @@ import gguf
 import pytest
 import torch
 
-from pagellm.model.loader import load_model
+from pagellm.model.loader import LoadedModel, load_model
 from pagellm.model.prepared_weights import prepared_path
+from pagellm.model.quantized import Linear, form_tensors
 
 from test_models import PagedCache
 from tiny_models import write_tiny_gguf
@@ -22,10 +23,14 @@ CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 33, 2, 71, 8, 19], [40, 41, 42]]
 
 
+def load(path: Path) -> LoadedModel:
+    return load_model(str(path), torch.float32, CPU, tokenizer=str(path.parent / "hf"),
+                      gguf_quantized_max_tokens=None, gguf_int8_activations=True,
+                      batch_invariant=True)
+
+
 def logits_of(path: Path) -> torch.Tensor:
-    loaded = load_model(str(path), torch.float32, CPU, tokenizer=str(path.parent / "hf"),
-                        gguf_quantized_max_tokens=None, gguf_int8_activations=True,
-                        batch_invariant=True)
+    loaded = load(path)
     return PagedCache(loaded.arch).step(loaded.model, list(enumerate(PROMPTS)))
 
 
@@ -48,6 +53,21 @@ def test_a_restart_reads_the_prepared_weights_and_computes_the_same(
     monkeypatch.setattr(gguf, "GGUFReader", no_parsing)  # the tokenizer is HF's
     assert torch.equal(logits_of(tiny_gguf), fresh)
 
+
+
+def test_the_quantized_forms_lie_side_by_side_in_one_huge_page_region(tiny_gguf: Path) -> None:
+    """Prepared from the file, then read back: every projection's codes, scales and zeros
+    in one 2 MiB-aligned allocation (copies_in_huge_pages), which a decode step streams."""
+    for _ in range(2):
+        model = load(tiny_gguf).model
+        tensors = [t for layer in model.modules() if isinstance(layer, Linear)
+                   for form in (layer.quantized, layer.int8_panels) if form is not None
+                   for t in form_tensors(form)]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        first = min(t.data_ptr() for t in tensors)
+        end = max(t.data_ptr() + size for t, size in zip(tensors, sizes))
+        assert first % (2 << 20) == 0
+        assert end - first == sum(-(-size // 64) * 64 for size in sizes[:-1]) + sizes[-1]
 
 def test_a_changed_file_or_form_is_prepared_anew(tiny_gguf: Path) -> None:
     logits_of(tiny_gguf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -31,11 +32,16 @@ from pagellm.model.text import ModelText, TokenizerSpec, load_text_tokenizer, mo
 from pagellm.mistral.formats import ModelFormats
 from pagellm.mistral.params import has_vision_encoder, read_params
 from pagellm.mistral.weights import consolidated_files, mistral_weights
+from pagellm.platform import copies_in_huge_pages
 
 if TYPE_CHECKING:
     import gguf
 
 logger = init_logger(__name__)
+
+# a Linear's forms that multiply quantized codes (the last two, arranged for a kernel)
+_QUANTIZED_FORMS = ("quantized", "int8_panels", "bf16_tiles")
+
 
 @dataclass
 class LoadedModel:
@@ -179,14 +185,29 @@ def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.devi
         logger.info("Prepared weights read from %s", cached)
         arch, net = prepared
         pack_if_supported(net, dtype, device)
-        return arch, net
-    reader, arch = read_gguf(path)
-    with reading(path, "its tensors do not load"):
-        net = load_gguf_model(reader, arch, dtype, device, None, int8_activations,
-                              batch_invariant=True)
-    if quantized_supported(device):
-        save_prepared(cached, net)
+    else:
+        reader, arch = read_gguf(path)
+        with reading(path, "its tensors do not load"):
+            net = load_gguf_model(reader, arch, dtype, device, None, int8_activations,
+                                  batch_invariant=True)
+        if quantized_supported(device):
+            save_prepared(cached, net)
+    if device.type == "cpu":
+        quantized_forms_into_huge_pages(net)
     return arch, net
+
+
+def quantized_forms_into_huge_pages(net: torch.nn.Module) -> None:
+    """Every projection's quantized forms, copied together into 2 MiB pages
+    (copies_in_huge_pages): the weights a decode step reads whole."""
+    places = [(getattr(layer, form), field.name) for layer in net.modules()
+              if isinstance(layer, Linear) for form in _QUANTIZED_FORMS
+              if getattr(layer, form) is not None
+              for field in dataclasses.fields(getattr(layer, form))
+              if isinstance(getattr(getattr(layer, form), field.name), torch.Tensor)]
+    copies = copies_in_huge_pages([getattr(form, field) for form, field in places])
+    for (form, field), copy in zip(places, copies):
+        setattr(form, field, copy)
 
 
 def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtype,
