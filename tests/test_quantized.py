@@ -168,6 +168,33 @@ def test_4_bit_codes_two_per_byte_give_the_results_of_a_byte_each(
 
 
 @needs_int8
+@pytest.mark.parametrize("bits,with_zeros", [(4, True), (4, False), (8, False)],
+                         ids=["Q4_1", "Q4_0", "Q8_0"])
+def test_float16_scales_and_zeros_give_the_float32_ones_results(bits: int,
+                                                                 with_zeros: bool) -> None:
+    """GGUF stores these types' scales (and Q4_1's minimums) in float16: panels keep them so
+    where AMX tiles do not multiply, half the bytes, every result equal to the bit. Scales
+    that float16 does not hold (as a K-quant's products of two scales) stay float32."""
+    weight = random_weight(bits, 203, 288, with_zeros)
+    weight.scales = weight.scales.half().float()
+    if with_zeros:  # Q4_1's are its minimum m plus 8 scales (gguf_weights._q4_groups)
+        weight.zeros = weight.zeros.half().float() + 8 * weight.scales
+    panels = weight.int8_panels(nibbles=True)
+    assert panels.scales.dtype == panels.zeros.dtype == torch.float16
+    wide = (panels.scales.float(), panels.zeros.float())
+    generator = torch.Generator().manual_seed(bits)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens in (*range(1, 18), 64, 200):
+            x = torch.randn(tokens, 288, generator=generator).to(dtype)
+            assert torch.equal(quantized_linear_int8(x, panels.codes, *wide, 203),
+                               quantized_linear_int8(x, panels.codes, panels.scales,
+                                                     panels.zeros, 203)), (dtype, tokens)
+    inexact = random_weight(bits, 203, 288, with_zeros).int8_panels(nibbles=True)
+    assert inexact.scales.dtype == inexact.zeros.dtype == torch.float32
+    assert weight.int8_panels(nibbles=False).scales.dtype == torch.float32  # the AMX tiles'
+
+
+@needs_int8
 def test_layers_keep_4_bit_codes_two_per_byte_unless_amx_tiles_multiply_them() -> None:
     """A decode step reads every weight: half the bytes of a code each. The tiles load bytes
     as stored, so where they run 4-bit panels keep a byte per code; 8-bit ones always do."""

@@ -138,7 +138,7 @@ bool int8_tiles_permitted() { return tiles_permitted(); }
 
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros) {
-  if (!tiles_permitted()) return false;
+  if (!tiles_permitted() || scales.scalar_type() != at::kFloat) return false;
   dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { int8_tiles::run(args...); });
   return true;
 }

@@ -42,6 +42,7 @@
 // panels[p, g, j, 8 + i / 4, i % 4] << 4. scales, zeros: [P, K / G, 16] float32, a group's
 // scale and zero - offset * scale (0 past N), per group of G = 32 inputs, or 16 (Q6_K): each
 // half of the 32 then sums and scales on its own, with its half of the activations' sum.
+// Both may be float16 instead, where every value is exact there (not for the AMX kernel).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -69,21 +70,21 @@ inline GroupPlace tile_interleaved(int64_t k, int64_t row, int64_t group) {
   return {(tile * k + group * kGroup) * R + 4 * r, 4 * R, (tile * (k / kGroup) + group) * R + r};
 }
 
-// One panel of the prepacked tensors.
-template <typename Codes>
+// One panel of the prepacked tensors; its scales and zeros float32 or float16 (S).
+template <typename Codes, typename S>
 struct Int8Panel {
   const typename Codes::Byte* codes;  // [K / 32, 8, Codes::kBytes]
-  const float* scales;                // [K / 32, 16]
-  const float* zeros;                 // [K / 32, 16]
+  const S* scales;                    // [K / 32, 16]
+  const S* zeros;                     // [K / 32, 16]
 };
 
 // out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
 // panel's 16 features, added group by group into the policy's accumulators. Inlined: a call
 // per tile and chunk cost about 5%.
-template <typename Policy, int kGroupSize, int kRows>
+template <typename Policy, int kGroupSize, int kRows, typename S>
 __attribute__((always_inline)) inline void int8_tile(
     const Int8Rows& rows, int64_t tile, int64_t k,
-    const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
+    const Int8Panel<typename Policy::Codes, S>& panel, int64_t g0, int64_t g1, float* out) {
   using Codes = typename Policy::Codes;
   constexpr int R = Policy::kTileRows;
   const int64_t groups = k / kGroup;
@@ -124,10 +125,10 @@ __attribute__((always_inline)) inline void int8_tile(
 // A tile's rows that are not padding, rounded up to 1, 2, 4 or the whole tile: a decode of
 // one request computes one row, not a tile's. Each row's sums are its own, so they do not
 // depend on how many are computed (padding rows are zeros, never stored).
-template <typename Policy, int kGroupSize>
+template <typename Policy, int kGroupSize, typename S>
 __attribute__((always_inline)) inline void int8_live_tile(
     int64_t live, const Int8Rows& rows, int64_t tile, int64_t k,
-    const Int8Panel<typename Policy::Codes>& panel, int64_t g0, int64_t g1, float* out) {
+    const Int8Panel<typename Policy::Codes, S>& panel, int64_t g0, int64_t g1, float* out) {
   constexpr int R = Policy::kTileRows;
   if (live == 1) return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, panel, g0, g1, out);
   if (live == 2) return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, panel, g0, g1, out);
@@ -135,10 +136,10 @@ __attribute__((always_inline)) inline void int8_live_tile(
   int8_tile<Policy, kGroupSize, R>(rows, tile, k, panel, g0, g1, out);
 }
 
-template <int kGroupSize, typename Policy, typename T>
+template <int kGroupSize, typename Policy, typename T, typename S>
 void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
-         const typename Policy::Codes::Byte* panel_codes, const float* panel_scales,
-         const float* panel_zeros) {
+         const typename Policy::Codes::Byte* panel_codes, const S* panel_scales,
+         const S* panel_zeros) {
   using Codes = typename Policy::Codes;
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
@@ -154,7 +155,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
       const int64_t block = std::min(block_rows, padded - m0);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        const Int8Panel<Codes> panel{panel_codes + p * (k / kGroup) * 8 * Codes::kBytes,
+        const Int8Panel<Codes, S> panel{panel_codes + p * (k / kGroup) * 8 * Codes::kBytes,
                                     panel_scales + p * scale_groups * kPanel,
                                     panel_zeros + p * scale_groups * kPanel};
         std::fill(out.begin(), out.end(), 0.f);
@@ -176,9 +177,9 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
 }
 
 // The VNNI instructions where they are compiled and permitted.
-template <int kGroupSize, typename Codes, typename T>
+template <int kGroupSize, typename Codes, typename T, typename S>
 void run_codes(T* y, const T* x, int64_t m, int64_t k, int64_t n,
-               const typename Codes::Byte* codes, const float* scales, const float* zeros) {
+               const typename Codes::Byte* codes, const S* scales, const S* zeros) {
 #ifdef __AVX512VNNI__
   if (vnni_permitted()) {
     run<kGroupSize, WideSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
@@ -194,14 +195,18 @@ template <int kGroupSize>
 void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
               const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
   auto run_on = [nibbles](auto* out, const auto* in, int64_t m, int64_t k, int64_t n,
-                          const auto* codes, const float* s, const float* z) {
+                          const auto* codes, const auto* s, const auto* z) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
     if constexpr (std::is_same_v<Code, uint8_t>) {
       if (nibbles) return run_codes<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
     }
     run_codes<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
   };
-  dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
+  if (scales.scalar_type() == at::kHalf) {
+    dispatch_int8_panels<c10::Half>(y, x, panels, scales, zeros, run_on);
+  } else {
+    dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
+  }
 }
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see the top.
@@ -221,10 +226,11 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
               "codes two per byte)");
   const int64_t group = scales.numel() == count * (k / kGroup) * kPanel ? kGroup : kHalfGroup;
   for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == scales.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
                     t->numel() == count * (k / group) * kPanel,
-                "quantized_linear_int8: scales and zeros must be float32 "
-                "[ceil(N / 16), K / 32 or K / 16, 16]");
+                "quantized_linear_int8: scales and zeros must be float32 or float16 (both "
+                "alike) [ceil(N / 16), K / 32 or K / 16, 16]");
   }
   if (group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
     multiply<kHalfGroup>(y, x, panels, scales, zeros, nibbles);

@@ -142,7 +142,8 @@ class GroupQuantWeight:
 
     def int8_panels(self, nibbles: bool | None = None) -> Int8Panels:
         """The codes as the int8 kernel reads them (see Int8Panels): 4-bit codes two per byte
-        if `nibbles`, by default wherever AMX tiles do not multiply them (nibble_panels)."""
+        if `nibbles`, by default wherever AMX tiles do not multiply them (nibble_panels).
+        There, too, the scales and zeros are float16 where that is exact."""
         nibbles = nibble_panels() if nibbles is None else nibbles
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
@@ -150,7 +151,8 @@ class GroupQuantWeight:
         if self.bits == 4 and nibbles:
             halves = codes.reshape(*codes.shape[:3], 2, -1)  # features 0-7, then 8-15
             codes = halves[..., 0, :] | (halves[..., 1, :] << 4)
-        return Int8Panels(codes.contiguous(), *self._panel_factors())
+        factors = self._panel_factors()
+        return Int8Panels(codes.contiguous(), *(_float16_if_exact(factors) if nibbles else factors))
 
     def bf16_tiles(self) -> Bf16Tiles:
         """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
@@ -165,6 +167,16 @@ class GroupQuantWeight:
         """Scales and folded zeros by panel: [P, in // G, 16] each."""
         return (_by_panel(self.scales).transpose(1, 2).contiguous(),
                 _by_panel(self.folded_zeros()).transpose(1, 2).contiguous())
+
+
+def _float16_if_exact(factors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The panels' scales and zeros in float16 if every value survives the trip. Q4_0, Q4_1
+    and Q8_0 store theirs in float16 (Q4_0's zero, -8 times its scale, is exact too): a decode
+    step then reads 2 bytes for each instead of 4, with the same results. A K-quant's are
+    products of two scales, which float16 seldom holds."""
+    halves = tuple(t.to(torch.float16) for t in factors)
+    exact = all(torch.equal(half.float(), t) for half, t in zip(halves, factors))
+    return halves if exact else factors
 
 
 def form_tensors(form: QuantizedForm) -> list[torch.Tensor]:
@@ -204,8 +216,8 @@ class Int8Panels:
     # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit), or [P, in // 32, 8, 32]
     # uint8 (4-bit codes two per byte)
     codes: torch.Tensor
-    scales: torch.Tensor  # [P, in // G, 16] float32
-    zeros: torch.Tensor  # [P, in // G, 16] float32
+    scales: torch.Tensor  # [P, in // G, 16] float32, or float16 where exact (no AMX)
+    zeros: torch.Tensor  # [P, in // G, 16] as the scales
 
 
 @dataclasses.dataclass
