@@ -45,6 +45,21 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype,
     return (tensor.zero_() if fault_in else tensor).view(dtype).view(shape)
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+_PAGE_BYTES = 4096
+
+
+def fault_in(address: int, nbytes: int) -> bool:
+    """Has Linux back [address, address + nbytes) of an anonymous mapping with memory now, as
+    the first write to each page would (madvise MADV_POPULATE_WRITE), leaving what the pages
+    hold as it is. False where the kernel does not offer it."""
+    start = address - address % _PAGE_BYTES
+    end = -(-(address + nbytes) // _PAGE_BYTES) * _PAGE_BYTES
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                        _MADV_POPULATE_WRITE) == 0
+
+
 def copies_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of the CPU `tensors` side by side in one allocation of 2 MiB pages, each from
     a 64-byte boundary. For weights that every decode step streams through whole: at one

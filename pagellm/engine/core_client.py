@@ -149,8 +149,11 @@ def run_engine_core(conn: CoreConnection, args: EngineArgs,
 
 def _step_loop(core, conn: CoreConnection, engine: int) -> None:
     while True:
-        if not core.has_unfinished_requests() and not _handle(core, conn, conn.recv()):
-            return
+        if not core.has_unfinished_requests():
+            while not conn.poll() and core.runner.fault_in_kv_cache():  # idle: a piece at a time
+                pass
+            if not _handle(core, conn, conn.recv()):
+                return
         changed = False
         while conn.poll():
             message = conn.recv()

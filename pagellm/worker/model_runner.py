@@ -87,6 +87,7 @@ class ModelRunner(KVTiers):
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[torch.Tensor] = []
+        self._unfaulted = iter(())
         self.offload_caches: list[torch.Tensor] = []
         self.kv_layout: KVCacheLayout | None = None  # set by the engine core: layer groups
         self.sampler = Sampler()
