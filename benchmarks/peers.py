@@ -245,7 +245,7 @@ def parse_args() -> argparse.Namespace:
                         help="cap one peer's num-prompts per run (repeatable), "
                              "e.g. naive=16: the naive server serves one request at a time")
     parser.add_argument("--decode-batch-sizes", default="64,256",
-                        help="batch sizes of pagellm's decode-step roofline run")
+                        help="batch sizes of pagellm's decode-step roofline run (empty: no run)")
     parser.add_argument("--pagellm-args", default="",
                         help="engine flags for pagellm's server and decode run, e.g. "
                              "'--kv-cache-dtype bfloat16' (named in the report)")
@@ -277,7 +277,7 @@ def main() -> None:
         save_peak(peer_dir, round_number)
         for name in (name for name in args.peers if name not in skipped):
             run_peer(PEERS[name], args, gguf, caps.get(name), peer_dir, round_number)
-            if name == "pagellm":
+            if name == "pagellm" and args.decode_batch_sizes:
                 run_decode_steps(args, peer_dir, round_number)
     runs = run_labels(args)
     write_report(peer_dir, args.peers, args.concurrency, runs, skipped, caps)
