@@ -12,6 +12,7 @@ running sum starts there) and last (its output rows) of a step, takes the module
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -46,49 +47,66 @@ def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...] | None:
             mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedArgs:
+    """A fusable layer's arguments to the two ops, gathered once with its check: looking
+    them up on the modules at every call cost about a tenth of the Python the ops save."""
+
+    norm_and_qkv: tuple  # attention_input's, between the running sum and the angles
+    rotation: tuple[int, int]  # and after the angles: the rotated width, the head size
+    output: tuple  # attention_output's, after the attention's output and the running sum
+    q_size: int
+    kv_size: int
+
+
+def _fused_args(layer: DecoderLayer) -> FusedArgs:
+    attention, mlp = layer.self_attn, layer.mlp
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    qkv, o = attention.qkv_proj.int8_panels, attention.o_proj.int8_panels
+    gate_up, down = mlp.gate_up_proj.int8_panels, mlp.down_proj.int8_panels
+    q_size, kv_size = attention.shard_sizes[:2]
+    return FusedArgs(
+        (norm.weight, norm.eps, qkv.codes, qkv.scales, qkv.zeros, attention.qkv_proj.out_features),
+        (q_size + kv_size, attention.head_dim),
+        (o.codes, o.scales, o.zeros, post.weight, post.eps, gate_up.codes, gate_up.scales,
+         gate_up.zeros, mlp.down_proj.in_features, down.codes, down.scales, down.zeros),
+        q_size, kv_size)
+
+
 def can_fuse(layer: DecoderLayer, x: torch.Tensor) -> bool:
-    """The full check runs once per set of projections and is kept on the layer: LoRA
-    replaces projections and parallel ranks hook them after load, which a later call sees
-    (a new module, or a hook) and checks again."""
+    """The full check runs once per set of projections and is kept on the layer, with the
+    ops' arguments: LoRA replaces projections and parallel ranks hook them after load, which
+    a later call sees (a new module, or a hook) and checks again."""
     if x.dim() != 2 or x.device.type != "cpu":
         return False
     projections = _projections(layer)
     if projections is None:
         return False
     if layer.fused_check is not None and layer.fused_check[0] == projections:
-        return layer.fused_check[1] and not any(p._forward_hooks or p._forward_pre_hooks
-                                                for p in projections)
+        return layer.fused_check[1] is not None and not any(
+            p._forward_hooks or p._forward_pre_hooks for p in projections)
     attention = layer.self_attn
     fusable = (fused_layer_available() and attention.q_norm is None
                and type(layer.input_layernorm) is RMSNorm
                and type(layer.post_attention_layernorm) is RMSNorm
                and all(map(_int8_only, projections)))
-    layer.fused_check = (projections, fusable)
+    layer.fused_check = (projections, _fused_args(layer) if fusable else None)
     return fusable
 
 
 def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
                   angles: torch.Tensor, kv_cache: torch.Tensor,
                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """DecoderLayer.forward's result for a step with a running sum, all rows kept."""
-    attention, mlp = layer.self_attn, layer.mlp
-    norm, qkv_panels = layer.input_layernorm, attention.qkv_proj.int8_panels
-    q_size, kv_size = attention.shard_sizes[:2]
-    qkv = torch.ops.pagellm.attention_input(
-        x, residual, norm.weight, norm.eps, qkv_panels.codes, qkv_panels.scales,
-        qkv_panels.zeros, attention.qkv_proj.out_features, angles, q_size + kv_size,
-        attention.head_dim)
+    """DecoderLayer.forward's result for a step with a running sum, all rows kept (after
+    can_fuse said yes)."""
+    args, attention = layer.fused_check[1], layer.self_attn
+    qkv = torch.ops.pagellm.attention_input(x, residual, *args.norm_and_qkv, angles,
+                                            *args.rotation)
     tokens, head_dim = qkv.shape[0], attention.head_dim
-    q = qkv[:, :q_size].view(tokens, attention.num_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(tokens, attention.num_kv_heads, head_dim)
-    v = qkv[:, q_size + kv_size:].view(tokens, attention.num_kv_heads, head_dim)
+    q_end, k_end = args.q_size, args.q_size + args.kv_size
+    q = qkv[:, :q_end].view(tokens, attention.num_heads, head_dim)
+    k = qkv[:, q_end:k_end].view(tokens, attention.num_kv_heads, head_dim)
+    v = qkv[:, k_end:].view(tokens, attention.num_kv_heads, head_dim)
     out = paged_attention(q, k, v, kv_cache, metadata, scale=attention.scale,
                           window=attention.window)
-    o, gate_up, down = (attention.o_proj.int8_panels, mlp.gate_up_proj.int8_panels,
-                        mlp.down_proj.int8_panels)
-    post = layer.post_attention_layernorm
-    hidden = torch.ops.pagellm.attention_output(
-        out, residual, o.codes, o.scales, o.zeros, post.weight, post.eps, gate_up.codes,
-        gate_up.scales, gate_up.zeros, mlp.down_proj.in_features, down.codes, down.scales,
-        down.zeros)
-    return hidden, residual
+    return torch.ops.pagellm.attention_output(out, residual, *args.output), residual

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, paged_attention
-from pagellm.model.fused_layer import can_fuse, fused_forward
+from pagellm.model.fused_layer import FusedArgs, can_fuse, fused_forward
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, rotate_
 
@@ -76,8 +76,8 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # (projections, whether fused_layer serves them): see can_fuse
-        self.fused_check: tuple[tuple[nn.Module, ...], bool] | None = None
+        # (projections, fused_layer's arguments where it serves them): see can_fuse
+        self.fused_check: tuple[tuple[nn.Module, ...], FusedArgs | None] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, angles: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
