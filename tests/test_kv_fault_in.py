@@ -1,5 +1,6 @@
-"""An idle engine core faults its CPU KV cache's pages in ahead of use (a piece at a time,
-keeping what they hold), so that a fresh server's first busy minutes do not pay for it."""
+"""An engine core idle for a second faults its CPU KV cache's pages in ahead of use (a piece
+at a time, keeping what they hold), so that a fresh server's first busy minutes do not pay
+for it."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ class _IdleConnection:
         return Shutdown()
 
 
+class _BusyConnection(_IdleConnection):
+    """A front-end whose next message is always there: the core never idles."""
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return True
+
+
 def test_an_idle_core_faults_its_kv_cache_in_until_a_message_comes(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
               num_gpu_blocks_override=8192)
@@ -61,9 +69,10 @@ def test_an_idle_core_faults_its_kv_cache_in_until_a_message_comes(tiny_llama_di
     size_kib = sum(c.numel() * c.element_size() for c in caches) >> 10
     assert resident_kib(caches) < size_kib // 2
     pieces = len(core.runner._kv_cache_pieces())  # 8 a plane (8 MiB of 16-dim heads)
-    connection = _IdleConnection(quiet=pieces // 2)
-    _step_loop(core, connection, 0)  # stops at the Shutdown
+    _step_loop(core, _BusyConnection(0), 0)  # a message at once: stops at the Shutdown
+    assert resident_kib(caches) < size_kib // 2
+    _step_loop(core, _IdleConnection(quiet=1 + pieces // 2), 0)  # the first poll: the idle wait
     assert 0 < resident_kib(caches) < size_kib
-    _step_loop(core, _IdleConnection(quiet=pieces), 0)
+    _step_loop(core, _IdleConnection(quiet=1 + pieces), 0)
     assert resident_kib(caches) >= size_kib
     assert not core.runner.fault_in_kv_cache()  # all done

@@ -147,11 +147,17 @@ def run_engine_core(conn: CoreConnection, args: EngineArgs,
         pass
 
 
+# Seconds without a message before an idle core faults its KV cache's pages in: a server
+# between bursts, not one between the requests of a client that is still sending.
+_IDLE_SECONDS = 1.0
+
+
 def _step_loop(core, conn: CoreConnection, engine: int) -> None:
     while True:
         if not core.has_unfinished_requests():
-            while not conn.poll() and core.runner.fault_in_kv_cache():  # idle: a piece at a time
-                pass
+            if not conn.poll(_IDLE_SECONDS):  # idle a while: fault the KV cache in, piecewise
+                while not conn.poll() and core.runner.fault_in_kv_cache():
+                    pass
             if not _handle(core, conn, conn.recv()):
                 return
         changed = False
