@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import math
 import mmap
@@ -55,9 +56,13 @@ def fault_in(address: int, nbytes: int) -> bool:
     hold as it is. False where the kernel does not offer it."""
     start = address - address % _PAGE_BYTES
     end = -(-(address + nbytes) // _PAGE_BYTES) * _PAGE_BYTES
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                        _MADV_POPULATE_WRITE) == 0
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                           _MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def copies_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -84,7 +89,7 @@ def name_this_process(name: str) -> None:
     """Linux: the name `ps`, `top` and /proc/PID/comm show (15 bytes at most), so that an
     engine core forked from the server is told apart from it."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        _libc().prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

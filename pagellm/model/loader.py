@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# a Linear's forms that multiply quantized codes (the last two, arranged for a kernel)
-_QUANTIZED_FORMS = ("quantized", "int8_panels", "bf16_tiles")
-
 
 @dataclass
 class LoadedModel:
@@ -200,11 +197,10 @@ def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.devi
 def quantized_forms_into_huge_pages(net: torch.nn.Module) -> None:
     """Every projection's quantized forms, copied together into 2 MiB pages
     (copies_in_huge_pages): the weights a decode step reads whole."""
-    places = [(getattr(layer, form), field.name) for layer in net.modules()
-              if isinstance(layer, Linear) for form in _QUANTIZED_FORMS
-              if getattr(layer, form) is not None
-              for field in dataclasses.fields(getattr(layer, form))
-              if isinstance(getattr(getattr(layer, form), field.name), torch.Tensor)]
+    forms = [form for layer in net.modules() if isinstance(layer, Linear)
+             for form in layer.quantized_forms()]
+    places = [(form, field.name) for form in forms for field in dataclasses.fields(form)
+              if isinstance(getattr(form, field.name), torch.Tensor)]
     copies = copies_in_huge_pages([getattr(form, field) for form, field in places])
     for (form, field), copy in zip(places, copies):
         setattr(form, field, copy)

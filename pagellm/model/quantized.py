@@ -325,9 +325,13 @@ class Linear(nn.Linear):
         if not shared:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def quantized_bytes(self) -> int:
+    def quantized_forms(self) -> list[QuantizedForm]:
+        """The forms of the quantized codes this layer keeps."""
         forms = (self.quantized, self.int8_panels, self.bf16_tiles, self.torch_int4)
-        return sum(_nbytes(form) for form in forms if form is not None)
+        return [form for form in forms if form is not None]
+
+    def quantized_bytes(self) -> int:
+        return sum(_nbytes(form) for form in self.quantized_forms())
 
     def packed_bytes(self) -> int:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
