@@ -19,8 +19,7 @@ from test_models import PagedCache, greedy_decode
 from tiny_models import write_tiny_gguf
 
 import pagellm.model.quantized as quantized_module
-from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, int8_tiles_available,
-                             quantized_linear_int8)
+from pagellm.kernels import cpu_kernels_available, int8_matmul_available, quantized_linear_int8
 from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_weights import gguf_quantized_weights
 from pagellm.model.llama import LlamaForCausalLM
@@ -147,8 +146,8 @@ def test_int8_kernel_multiplies_the_codes_with_int8_rounded_activations(
                           (250, 96, 16, True)], ids=["Q4_1", "Q4_0-2048", "one-group", "halves"])
 def test_4_bit_codes_two_per_byte_give_the_results_of_a_byte_each(
         rows: int, cols: int, group_size: int, with_zeros: bool) -> None:
-    """Unpacked in registers, codes two per byte are the very vectors of a code per byte (the
-    AMX kernel's, where it runs): every result equal to the bit, from 1 row to 70 (tiles of
+    """Unpacked in registers (or, on AMX tiles from 8 rows, into the bytes the tiles load),
+    codes two per byte are the very codes of a byte each: every result equal to the bit, from 1 row to 70 (tiles of
     4, whole and partial, and a partial panel of features), and within float32's sums of the
     product with the int8-rounded activations. Groups of 16: the kernel's half groups."""
     weight = random_weight(4, rows, cols, with_zeros, group_size)
@@ -172,9 +171,10 @@ def test_4_bit_codes_two_per_byte_give_the_results_of_a_byte_each(
                          ids=["Q4_1", "Q4_0", "Q8_0"])
 def test_float16_scales_and_zeros_give_the_float32_ones_results(bits: int,
                                                                  with_zeros: bool) -> None:
-    """GGUF stores these types' scales (and Q4_1's minimums) in float16: panels keep them so
-    where AMX tiles do not multiply, half the bytes, every result equal to the bit. Scales
-    that float16 does not hold (as a K-quant's products of two scales) stay float32."""
+    """GGUF stores these types' scales (and Q4_1's minimums) in float16: panels keep them so,
+    half the bytes, every result equal to the bit (from 8 rows on AMX tiles, where the CPU
+    has them). Scales that float16 does not hold (as a K-quant's products of two scales) stay
+    float32."""
     weight = random_weight(bits, 203, 288, with_zeros)
     weight.scales = weight.scales.half().float()
     if with_zeros:  # Q4_1's are its minimum m plus 8 scales (gguf_weights._q4_groups)
@@ -191,14 +191,14 @@ def test_float16_scales_and_zeros_give_the_float32_ones_results(bits: int,
                                                      panels.zeros, 203)), (dtype, tokens)
     inexact = random_weight(bits, 203, 288, with_zeros).int8_panels(nibbles=True)
     assert inexact.scales.dtype == inexact.zeros.dtype == torch.float32
-    assert weight.int8_panels(nibbles=False).scales.dtype == torch.float32  # the AMX tiles'
+    assert weight.int8_panels(nibbles=False).scales.dtype == torch.float16
 
 
 @needs_int8
-def test_layers_keep_4_bit_codes_two_per_byte_unless_amx_tiles_multiply_them() -> None:
-    """A decode step reads every weight: half the bytes of a code each. The tiles load bytes
-    as stored, so where they run 4-bit panels keep a byte per code; 8-bit ones always do."""
-    for bits, per_byte in ((4, 1 if int8_tiles_available() else 2), (8, 1)):
+def test_layers_keep_4_bit_codes_two_per_byte() -> None:
+    """A decode step reads every weight: half the bytes of a code each, on every CPU (the
+    AMX kernel unpacks a panel before its tiles load it); 8-bit codes keep a byte each."""
+    for bits, per_byte in ((4, 2), (8, 1)):
         layer = Linear(288, 203, bias=False)
         layer.attach_batch_invariant(random_weight(bits, 203, 288, True), int8_activations=True)
         assert layer.int8_panels is not None

@@ -18,7 +18,7 @@ import pagellm.model.gguf_weights as gguf_weights_module
 import pagellm.model.loader as loader_module
 import pagellm.model.quantized as quantized_module
 import pagellm.model.quantized_timing as timing_module
-from pagellm.kernels import cpu_kernels_available, int8_tiles_available
+from pagellm.kernels import cpu_kernels_available
 from pagellm.model.loader import LoadedModel, load_model
 from pagellm.model.quantized import ANY_TOKENS, Linear
 from pagellm.model.quantized_timing import measure_max_tokens
@@ -51,13 +51,13 @@ def test_torch_int4_is_kept_or_dropped_for_whole_shapes() -> None:
 def test_bytes_read_are_those_of_the_form_a_step_multiplies() -> None:
     """208 x 288 in bf16 (9 groups of 32 per row, 13 panels): torch's int4 codes and bf16
     scale-zero pairs up to 8 tokens, pagellm's packed codes and float32 scales and zeros
-    up to 11, the int8 panels from 12 (two codes per byte, one where AMX tiles multiply
-    them), the bf16 weight past the quantized maximum."""
+    up to 11, the int8 panels from 12 (two codes per byte), the bf16 weight past the
+    quantized maximum."""
     layer = Linear(288, 208, bias=False).to(torch.bfloat16)
     layer.attach_quantized(random_weight(4, 208, 288, with_zeros=True), max_tokens=64,
                            int8_activations=True)
     codes, float32_pairs = 208 * 288 // 2, 2 * 208 * 9 * 4
-    panels = 13 * 16 * 288 // (1 if int8_tiles_available() else 2) + 2 * 13 * 9 * 16 * 4
+    panels = 13 * 16 * 288 // 2 + 2 * 13 * 9 * 16 * 4
     assert [layer.bytes_read(tokens) for tokens in (1, 8, 9, 11, 12, 64, 65)] == [
         codes + 208 * 9 * 2 * 2, codes + 208 * 9 * 2 * 2, codes + float32_pairs,
         codes + float32_pairs, panels, panels, 208 * 288 * 2]

@@ -295,14 +295,6 @@ def int8_matmul_available() -> bool:
     return cpu_kernels_available() and hasattr(torch.ops.pagellm, "quantized_linear_int8")
 
 
-@functools.cache
-def int8_tiles_available() -> bool:
-    """Whether quantized_linear_int8 multiplies panels of a code per byte on AMX tiles
-    (compiled with AMX-INT8, granted by the OS, PAGELLM_AMX not 0): the tiles load the bytes
-    as stored, so there 4-bit codes keep a byte each rather than two per byte."""
-    return int8_matmul_available() and torch.ops.pagellm.int8_tiles_permitted()
-
-
 def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
                           zeros: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] rounded to int8 per 32 inputs @ W^T, W's 4-bit (uint8 panels, a code or two

@@ -20,13 +20,10 @@ inline int64_t input_chunk(int64_t k) {
   return (k / kGroup + chunks - 1) / chunks * kGroup;
 }
 
-// Whether quantized_linear_int8_amx multiplies: this build has AMX-INT8, the OS grants the
-// tiles and PAGELLM_AMX is not 0.
-bool int8_tiles_permitted();
-
-// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for panels of a code per
-// byte: writes y and returns true, or returns false where int8_tiles_permitted is not.
+// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for groups of 32 and
+// `nibbles` or not: writes y and returns true, or returns false where the tiles are not
+// permitted (amx_tiles.h) or x has too few rows for them to pay (kTileMinRows there).
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros);
+                               const at::Tensor& scales, const at::Tensor& zeros, bool nibbles);
 
 }  // namespace pagellm::quantized

@@ -12,8 +12,15 @@
 // 4-bit codes (uint8 panels) take the signed x unsigned product, 8-bit ones (int8) the
 // signed x signed one. The OS must grant the tiles' state once per process (arch_prctl);
 // where it does not, the CPU has no AMX, or PAGELLM_AMX=0, the AVX2 kernel runs instead.
-// The tiles load a code per byte: where they run, 4-bit codes are not packed two per byte
-// (Python's int8_tiles_available), and packed panels go to the AVX2 kernel.
+//
+// The tiles load a code per byte, and the panels hold 4-bit codes two per byte (half the
+// bytes for a decode step to read): each thread unpacks a panel once into a buffer of its
+// own, then multiplies every block of 16 rows with it. The scales and zeros may be float16
+// (exact, widened as they are loaded), as for the AVX2 kernel.
+//
+// A tile multiplies 16 rows whatever the number of live ones, and the scaling after it
+// costs the same for a padding row as for a live one: below kTileMinRows rows the AVX2
+// kernel, which computes only the live rows, is faster, and gives the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -22,12 +29,15 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include <vector>
+
 #include "amx_tiles.h"
 #include "quantized_linear.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "int8_group_sums.h"
 #include "int8_rows.h"
 #include "vectorizable.h"
 
@@ -36,6 +46,10 @@ namespace int8_tiles {
 namespace {
 
 constexpr int kRows = 16;  // activation rows per tile: the accumulator registers
+// Fewer rows go to the AVX2 kernel. SmolLM2's shapes, each call on its own (`python
+// benchmarks/quantized_matmul.py`, a 2-core Xeon with AMX): at 8 rows the AVX2 kernel is up
+// to 1.5x faster, at 10 and 12 the two trade places by shape and run, at 16 the tiles lead.
+constexpr int64_t kTileMinRows = 12;
 
 // Tiles 0 and 1: sums (16 rows x 16 int32); 2 and 4: activations (16 rows x 32 int8); 3 and
 // 5: codes (8 rows x 64 bytes). Even groups use 0, 2, 3, odd ones 1, 4, 5.
@@ -67,10 +81,10 @@ PAGELLM_GROUP_PRODUCT(odd_group_product, 1, 4, 5)
 #undef PAGELLM_GROUP_PRODUCT
 
 // acc[r] += scale * d[r] * sums[r] + zero * sum[r], as add_group does on AVX2.
-inline void add_group(const int32_t* sums, const float* scales, const float* zeros,
-                      const float* steps, const float* step_sums, int64_t groups,
-                      __m512 (&acc)[kRows]) {
-  const __m512 scale = _mm512_loadu_ps(scales), zero = _mm512_loadu_ps(zeros);
+template <typename S>
+inline void add_group(const int32_t* sums, const S* scales, const S* zeros, const float* steps,
+                      const float* step_sums, int64_t groups, __m512 (&acc)[kRows]) {
+  const __m512 scale = int8::load16_factors(scales), zero = int8::load16_factors(zeros);
   for (int r = 0; r < kRows; ++r) {
     const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(steps[r * groups]));
     const __m512 products = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 16));
@@ -79,22 +93,42 @@ inline void add_group(const int32_t* sums, const float* scales, const float* zer
   }
 }
 
-template <typename T, typename Code>
-void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
-         const float* panel_scales, const float* panel_zeros) {
+// A panel's 4-bit codes two per byte -> a byte per code, as the tiles load them: row j of a
+// group holds features 0-7's codes in the low nibbles of its 32 bytes and features 8-15's in
+// the high ones (quantized_linear_int8.cpp), which unpack to its first and last 32 bytes.
+inline void unpack_nibbles(const uint8_t* packed, int64_t groups, uint8_t* bytes) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t i = 0; i < groups * 4; ++i) {  // two rows of a group at a time
+    const __m512i v = _mm512_loadu_si512(packed + 64 * i);
+    const __m512i lo = _mm512_and_si512(v, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    _mm512_storeu_si512(bytes + 128 * i, _mm512_shuffle_i64x2(lo, hi, 0x44));
+    _mm512_storeu_si512(bytes + 128 * i + 64, _mm512_shuffle_i64x2(lo, hi, 0xEE));
+  }
+}
+
+template <typename T, typename Code, typename S>
+void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
+         const S* panel_scales, const S* panel_zeros) {
   constexpr bool kSigned = std::is_same_v<Code, int8_t>;
   const int64_t groups = k / kGroup, panels = (n + kPanel - 1) / kPanel;
   const int64_t padded = (m + kRows - 1) / kRows * kRows;
+  const int64_t panel_bytes = nibbles ? kPanel * k / 2 : kPanel * k;
   const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
     return GroupPlace{row * k + group * kGroup, 4, row * (k / kGroup) + group};
   });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) int32_t sums[2][kRows * 16];
+    std::vector<Code> unpacked(nibbles ? kPanel * k : 0);
     for (int64_t p = begin; p < end; ++p) {
-      const Code* codes = panel_codes + p * kPanel * k;
-      const float* scales = panel_scales + p * groups * kPanel;
-      const float* zeros = panel_zeros + p * groups * kPanel;
+      const Code* codes = panel_codes + p * panel_bytes;
+      if (nibbles) {
+        if constexpr (!kSigned) unpack_nibbles(codes, groups, unpacked.data());
+        codes = unpacked.data();
+      }
+      const S* scales = panel_scales + p * groups * kPanel;
+      const S* zeros = panel_zeros + p * groups * kPanel;
       const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
       for (int64_t m0 = 0; m0 < padded; m0 += kRows) {
         const int8_t* inputs = rows.values.data() + m0 * k;
@@ -134,12 +168,15 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 }  // namespace
 }  // namespace int8_tiles
 
-bool int8_tiles_permitted() { return tiles_permitted(); }
-
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros) {
-  if (!tiles_permitted() || scales.scalar_type() != at::kFloat) return false;
-  dispatch_int8_panels(y, x, panels, scales, zeros, [](auto... args) { int8_tiles::run(args...); });
+                               const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
+  if (x.size(0) < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
+  auto run = [nibbles](auto... args) { int8_tiles::run(nibbles, args...); };
+  if (scales.scalar_type() == at::kHalf) {
+    dispatch_int8_panels<c10::Half>(y, x, panels, scales, zeros, run);
+  } else {
+    dispatch_int8_panels(y, x, panels, scales, zeros, run);
+  }
   return true;
 }
 
@@ -149,10 +186,8 @@ bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Ten
 
 namespace pagellm::quantized {
 
-bool int8_tiles_permitted() { return false; }
-
 bool quantized_linear_int8_amx(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&) {
+                               const at::Tensor&, const at::Tensor&, bool) {
   return false;
 }
 

@@ -30,11 +30,11 @@
 // too, with the activations as its unsigned operand (see WideSums). PAGELLM_VNNI=0 keeps the
 // AVX2 instructions (to compare them).
 //
-// 4-bit codes are stored two per byte where the AMX kernel does not multiply them (its tile
-// loads take the bytes as stored): a decode step reads every weight once for a row or a
+// 4-bit codes are stored two per byte: a decode step reads every weight once for a row or a
 // few, so its time is the weights' bytes, and a byte per code read twice llama.cpp's. The
 // second vector (features 8-15) sits in the high nibbles of the first's bytes; a mask and a
-// shift restore both vectors exactly, so the sums and results are those of the bytes.
+// shift restore both vectors exactly, so the sums and results are those of the bytes. (The
+// AMX kernel unpacks a panel to a byte per code before its tiles load it.)
 //
 // panels: [P, K / 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit codes), panels[p, g, j,
 // f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); or, 4-bit codes two per
@@ -42,7 +42,7 @@
 // panels[p, g, j, 8 + i / 4, i % 4] << 4. scales, zeros: [P, K / G, 16] float32, a group's
 // scale and zero - offset * scale (0 past N), per group of G = 32 inputs, or 16 (Q6_K): each
 // half of the 32 then sums and scales on its own, with its half of the activations' sum.
-// Both may be float16 instead, where every value is exact there (not for the AMX kernel).
+// Both may be float16 instead, where every value is exact there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -236,20 +236,17 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
     multiply<kHalfGroup>(y, x, panels, scales, zeros, nibbles);
     return;
   }
-  // the tiles load a code per byte
-  if (!nibbles && quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
+  if (quantized_linear_int8_amx(y, x, panels, scales, zeros, nibbles)) return;
   multiply<kGroup>(y, x, panels, scales, zeros, nibbles);
 }
 
 }  // namespace
 }  // namespace pagellm::quantized::int8
 
-// Registered only where it is compiled: Python checks for the op (int8_matmul_available),
-// and whether the AMX kernel multiplies byte panels (int8_tiles_available).
+// Registered only where it is compiled: Python checks for the op (int8_matmul_available).
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear_int8(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
         "Tensor zeros) -> ()");
-  m.def("int8_tiles_permitted() -> bool", &pagellm::quantized::int8_tiles_permitted);
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {

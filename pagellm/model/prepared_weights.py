@@ -28,7 +28,7 @@ from torch import nn
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.model.quantized import GroupQuantWeight, Int8Panels, Linear, nibble_panels
+from pagellm.model.quantized import GroupQuantWeight, Int8Panels, Linear
 from pagellm.tokenizer import pagellm_cache_dir
 
 logger = init_logger(__name__)
@@ -46,7 +46,7 @@ def prepared_path(gguf_path: Path, dtype: torch.dtype, int8_activations: bool) -
     for name in _LAYOUT_SOURCES:
         digest.update((here / name).read_bytes())
     key = (f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{int8_activations}|"
-           f"{nibble_panels()}|{torch.__version__}|{importlib.metadata.version('gguf')}|"
+           f"{torch.__version__}|{importlib.metadata.version('gguf')}|"
            f"{digest.hexdigest()}")
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
     return pagellm_cache_dir() / "prepared" / f"{name}.safetensors"

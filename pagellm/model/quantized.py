@@ -13,8 +13,8 @@ With int8 activations (the engine's default for GGUF files), a large step multip
 the codes with its activations rounded to int8 per 32 inputs, as llama.cpp does: on
 AVX2, twice float32's multiply-adds per cycle for 4-bit codes, about 1.2x for 8-bit
 ones; no longer exactly the dequantized model. Those layers also keep their codes
-rearranged into the int8 kernel's panels (4-bit ones two per byte, as the file holds them,
-except where AMX tiles multiply them). Whether they also need float weights is measured
+rearranged into the int8 kernel's panels (4-bit ones two per byte, as the file holds them).
+Whether they also need float weights is measured
 before any are loaded (`int8_beats_dense`): on an AVX2 CPU the int8 path wins at every
 step size, so the layers keep nothing else (the float weights would be 4-8x their
 bytes); on a CPU whose bf16 matmul runs on AMX tiles (2.9 TFLOP/s on two cores, 7x the
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, int8_tiles_available,
-                             quantized_linear, quantized_linear_bf16_tiles, quantized_linear_int8)
+from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
+                             quantized_linear_bf16_tiles, quantized_linear_int8)
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight, packed_linear
 
 CODE_BLOCK = 32  # inputs the kernels widen and lay out together: one scale or two
@@ -140,11 +140,9 @@ class GroupQuantWeight:
         halves = self.codes.reshape(rows, cols // CODE_BLOCK, 2, CODE_BLOCK // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
-    def int8_panels(self, nibbles: bool | None = None) -> Int8Panels:
+    def int8_panels(self, nibbles: bool = True) -> Int8Panels:
         """The codes as the int8 kernel reads them (see Int8Panels): 4-bit codes two per byte
-        if `nibbles`, by default wherever AMX tiles do not multiply them (nibble_panels).
-        There, too, the scales and zeros are float16 where that is exact."""
-        nibbles = nibble_panels() if nibbles is None else nibbles
+        if `nibbles`, and the scales and zeros in float16 where that is exact."""
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
         codes = codes.permute(0, 2, 3, 1, 4)  # [P, in // 32, 8, 16, 4]
@@ -152,7 +150,7 @@ class GroupQuantWeight:
             halves = codes.reshape(*codes.shape[:3], 2, -1)  # features 0-7, then 8-15
             codes = halves[..., 0, :] | (halves[..., 1, :] << 4)
         factors = self._panel_factors()
-        return Int8Panels(codes.contiguous(), *(_float16_if_exact(factors) if nibbles else factors))
+        return Int8Panels(codes.contiguous(), *_float16_if_exact(factors))
 
     def bf16_tiles(self) -> Bf16Tiles:
         """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
@@ -195,12 +193,6 @@ def _by_panel(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, panels * PANEL_SIZE - t.shape[0])).reshape(panels, PANEL_SIZE, -1)
 
 
-def nibble_panels() -> bool:
-    """Whether int8 panels hold 4-bit codes two per byte: a decode step's time is the bytes
-    of weights it reads. Not where AMX tiles multiply them, which load a code per byte."""
-    return not int8_tiles_available()
-
-
 @dataclasses.dataclass
 class Int8Panels:
     """A matrix for quantized_linear_int8, in panels of 16 output rows (zero-padded):
@@ -216,7 +208,7 @@ class Int8Panels:
     # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit), or [P, in // 32, 8, 32]
     # uint8 (4-bit codes two per byte)
     codes: torch.Tensor
-    scales: torch.Tensor  # [P, in // G, 16] float32, or float16 where exact (no AMX)
+    scales: torch.Tensor  # [P, in // G, 16] float32, or float16 where exact
     zeros: torch.Tensor  # [P, in // G, 16] as the scales
 
 
