@@ -259,6 +259,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def clear_results(peer_dir: Path) -> None:
+    """A run replaces the last one's files: the report takes the median over every round's
+    file it finds, so a file left from an earlier run with more rounds, or of a peer this run
+    skips, would be reported as this run's."""
+    for stale in peer_dir.iterdir():
+        if stale.is_file():
+            stale.unlink()
+
+
 def main() -> None:
     args = parse_args()
     caps = parse_caps(args.max_prompts)
@@ -269,9 +278,8 @@ def main() -> None:
     for name, reason in skipped.items():
         print(f"[{name}] skipped: {reason}", flush=True)
     if not args.report_only:
+        clear_results(peer_dir)
         (peer_dir / PAGELLM_ARGS_FILE).write_text(args.pagellm_args)
-        for stale in peer_dir.glob(f"*{STARTUP_INFIX}*.json"):
-            stale.unlink()
         save_run_record(peer_dir, shlex.join(["python", "benchmarks/peers.py", *sys.argv[1:]]))
     for round_number in [] if args.report_only else range(1, args.repeat + 1):
         save_peak(peer_dir, round_number)
