@@ -105,9 +105,9 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&&
 }
 
 // Calls multiply(y, x, m, k, n, codes, scales, zeros) with pointers of x's dtype, of the
-// panels' code type (uint8_t: 4-bit codes, int8_t: 8-bit ones) and of the scales' and
-// zeros' type S (float, or c10::Half where the caller takes it): one kernel's `run`.
-template <typename S = float, typename Multiply>
+// panels' code type (uint8_t: 4-bit codes, int8_t: 8-bit ones) and of the scales' and zeros'
+// type (float, or c10::Half where every factor is exact in float16): one kernel's `run`.
+template <typename Multiply>
 void dispatch_int8_panels(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                           const at::Tensor& scales, const at::Tensor& zeros, Multiply&& multiply) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
@@ -115,12 +115,20 @@ void dispatch_int8_panels(at::Tensor& y, const at::Tensor& x, const at::Tensor& 
     using T = decltype(tag);
     T* out = y.mutable_data_ptr<T>();
     const T* in = x.const_data_ptr<T>();
-    const S* s = scales.const_data_ptr<S>();
-    const S* z = zeros.const_data_ptr<S>();
-    if (panels.scalar_type() == at::kChar) {
-      multiply(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+    auto with_factors = [&](auto factor_tag) {
+      using S = decltype(factor_tag);
+      const S* s = scales.const_data_ptr<S>();
+      const S* z = zeros.const_data_ptr<S>();
+      if (panels.scalar_type() == at::kChar) {
+        multiply(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+      } else {
+        multiply(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+      }
+    };
+    if (scales.scalar_type() == at::kHalf) {
+      with_factors(c10::Half{});
     } else {
-      multiply(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+      with_factors(float{});
     }
   });
 }

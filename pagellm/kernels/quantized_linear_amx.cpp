@@ -171,12 +171,8 @@ void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const 
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
                                const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
   if (x.size(0) < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
-  auto run = [nibbles](auto... args) { int8_tiles::run(nibbles, args...); };
-  if (scales.scalar_type() == at::kHalf) {
-    dispatch_int8_panels<c10::Half>(y, x, panels, scales, zeros, run);
-  } else {
-    dispatch_int8_panels(y, x, panels, scales, zeros, run);
-  }
+  dispatch_int8_panels(y, x, panels, scales, zeros,
+                       [nibbles](auto... args) { int8_tiles::run(nibbles, args...); });
   return true;
 }
 

@@ -202,11 +202,7 @@ void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
     }
     run_codes<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
   };
-  if (scales.scalar_type() == at::kHalf) {
-    dispatch_int8_panels<c10::Half>(y, x, panels, scales, zeros, run_on);
-  } else {
-    dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
-  }
+  dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
 }
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see the top.
