@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import math
 
@@ -13,9 +14,18 @@ import torch
 
 from pagellm.benchmarks import fidelity, fidelity_kl
 from pagellm.entrypoints.cli import build_parser
+from smollm2_reference import TransformersReference
 
 
-def test_fidelity_scores_the_exact_model_as_identical(tmp_path: Path, capsys) -> None:
+def test_fidelity_scores_the_exact_model_as_identical(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, smollm2_gguf: Path,
+        smollm2_transformers: TransformersReference) -> None:
+    # the session's transformers model of the same file: loading it again takes 15-20 s
+    def shared_exact_model(path: Path) -> Any:
+        assert path == smollm2_gguf
+        return smollm2_transformers.model
+
+    monkeypatch.setattr(fidelity, "exact_model", shared_exact_model)
     out = tmp_path / "fidelity.json"
     args = build_parser().parse_args([
         "bench", "fidelity", "--num-prompts", "3", "--max-tokens", "12",
