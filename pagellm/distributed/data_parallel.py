@@ -13,6 +13,7 @@ ids and integers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -71,8 +72,8 @@ class DataParallelBalancer:
 
 class DataParallelCoreClient:
     """One EngineCoreClient per rank, by rank: this node's started side by side, the other
-    nodes' joining over their sockets. As EngineCoreClient(wait=False): the constructor
-    starts this node's engines, `wait_ready()` waits for them all, then `start_reading()`."""
+    nodes' joining over their sockets. As with EngineCoreClient, the constructor
+    starts this node's engines, `wait_ready()` waits for them all, then `start_reading(loop)`."""
 
     def __init__(self, args: EngineArgs, config: DataParallelConfig,
                  on_result: Callable[[StepResult], None], on_dead: Callable[[], None],
@@ -88,7 +89,7 @@ class DataParallelCoreClient:
         if attached is None:
             self.clients = [EngineCoreClient(args, self._observe, on_dead,
                                              EnginePlace(rank, config.size, index, len(local)),
-                                             wait=False, default_start=default_start)
+                                             default_start=default_start)
                             for index, rank in enumerate(local)]
         else:
             self.clients = [AttachedEngineCoreClient(conn, f"data parallel rank {rank}",
@@ -117,9 +118,9 @@ class DataParallelCoreClient:
                     self._config.size, f"{blocks:,}")
         return self.ready
 
-    def start_reading(self) -> None:
+    def start_reading(self, loop: asyncio.AbstractEventLoop) -> None:
         for client in self.clients:
-            client.start_reading()
+            client.start_reading(loop)
 
     def _join_remote(self, config: DataParallelConfig,
                      on_dead: Callable[[], None]) -> list[EngineCoreClient]:

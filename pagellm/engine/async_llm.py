@@ -50,7 +50,8 @@ class AsyncLLM:
     waits for their load, so that the server imports its front end meanwhile. `front_end`:
     this is one of several API server processes, attached to engine cores already started.
     `started`: the one engine core's process, started already (`pagellm serve` forks it
-    before importing torch)."""
+    before importing torch). The event loop that runs `wait_ready()` (or else the first
+    request) reads the engine cores' results; one loop serves an AsyncLLM for its life."""
 
     def __init__(self, args: EngineArgs, log_stats: bool = True,
                  default_start: str = "spawn", wait: bool = True,
@@ -94,7 +95,11 @@ class AsyncLLM:
         self.model_name = args.served_model_name or args.model or self.model_path.name
         self.stat_loggers: list[StatLogger] = (self._make_stat_loggers(args, self._front_end)
                                                if self._log_stats else [])
-        self.client.start_reading()
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop: reading starts with the first request
+            return
+        self.client.start_reading(self._loop)
 
     def _make_stat_loggers(self, args: EngineArgs,
                            front_end: FrontEndPlace | None) -> list[StatLogger]:
@@ -116,7 +121,7 @@ class AsyncLLM:
         if len(self.engines) == 1:
             return EngineCoreClient(args, self._on_result, self._on_dead,
                                     EnginePlace(self.engines[0], data_parallel.size),
-                                    wait=False, default_start=default_start, started=started)
+                                    default_start=default_start, started=started)
         from pagellm.distributed.data_parallel import DataParallelCoreClient
 
         return DataParallelCoreClient(args, data_parallel, self._on_result, self._on_dead,
@@ -156,6 +161,7 @@ class AsyncLLM:
         """Block usage and the block pool's integrity check, from the core between steps."""
         if self._dead:
             raise EngineDeadError("the engine core process is not running.")
+        self._bind_loop()
         return await asyncio.wrap_future(self.client.check_kv_cache())
 
     async def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> None:
@@ -171,6 +177,7 @@ class AsyncLLM:
     async def _lora_call(self, message: AddLoRA | RemoveLoRA) -> None:
         if self._dead:
             raise EngineDeadError("the engine core process is not running.")
+        self._bind_loop()
         reply = await asyncio.wrap_future(self.client.lora_call(message))
         if reply.error is not None:
             raise ValueError(reply.error)
@@ -228,15 +235,12 @@ class AsyncLLM:
     def _bind_loop(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            if self.stat_loggers:
-                self._log_task = self._loop.create_task(self._log_periodically())
+            self.client.start_reading(self._loop)
+        if self.stat_loggers and self._log_task is None:
+            self._log_task = self._loop.create_task(self._log_periodically())
 
     def _on_result(self, result: StepResult) -> None:
-        """Called on the reader thread; the work happens on the event loop."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._process_result, result)
-
-    def _process_result(self, result: StepResult) -> None:
+        """On the event loop, which reads the engine cores' connections."""
         iteration = IterationStats()
         failed: dict[str, Exception] = {}
         outputs, stopped = self.output_processor.process(result.updates, iteration, failed)
@@ -261,10 +265,6 @@ class AsyncLLM:
             return
         self._dead = True
         logger.error("The engine core process died; failing all requests.")
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all)
-
-    def _fail_all(self) -> None:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError("the engine core process died."))
         for callback in self._death_callbacks:

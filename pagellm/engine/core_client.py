@@ -9,6 +9,7 @@ token updates and scheduler stats out.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -208,36 +209,37 @@ def _kv_cache_report(scheduler) -> KVCacheReport:
 
 
 class EngineCoreClient:
-    """Starts the core process and forwards its step results to `on_result` from a thread.
+    """Starts the core process and hands its step results to `on_result` on the event loop
+    that reads them.
 
-    `wait=False` returns once the process is started, so that several engines load at once;
-    then `wait_ready()` and `start_reading()`. `started`: a process started already (by
-    `pagellm serve`, before it imported torch)."""
+    The constructor returns once the process is started, so that several engines load at
+    once; then `wait_ready()` and `start_reading(loop)`. `started`: a process started
+    already (by `pagellm serve`, before it imported torch)."""
 
     def __init__(self, args: EngineArgs, on_result: Callable[[StepResult], None],
                  on_dead: Callable[[], None], place: EnginePlace = EnginePlace(),
-                 wait: bool = True, default_start: str = "spawn",
-                 started: StartedCore | None = None) -> None:
+                 default_start: str = "spawn", started: StartedCore | None = None) -> None:
         started = started or start_core_process(args, place, start_method(default_start))
         self._process = started.process
         self._attach(started.conn, on_result, on_dead)
-        if wait:
-            self.wait_ready()
-            self.start_reading()
 
     def _attach(self, conn: Connection, on_result: Callable[[StepResult], None],
                 on_dead: Callable[[], None]) -> None:
         self._conn = conn
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = threading.Event()  # the core's end of the connection closed
         self._send_lock = threading.Lock()
         self._kv_reports: list[Future[KVCacheReport]] = []
         self._lora_replies: list[Future[LoRAReply]] = []
         self._on_result, self._on_dead = on_result, on_dead
 
-    def start_reading(self) -> None:
-        self._reader = threading.Thread(target=self._read_results, name="EngineCoreOutput",
-                                        daemon=True)
-        self._reader.start()
+    def start_reading(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on `loop` reads the connection whenever it has data, and calls
+        `on_result` and `on_dead` itself. A reader thread would have to wake the loop for
+        every step (call_soon_threadsafe): in a 2-core VM that wake-up cost as much as the
+        rest of a token's handling in the API server, while the engine waited for the core."""
+        self._loop = loop
+        loop.add_reader(self._conn.fileno(), self._read_available)
 
     def wait_ready(self) -> CoreReady:
         self.ready = self._wait_ready()
@@ -264,9 +266,11 @@ class EngineCoreClient:
         return (f"the engine core process died during start-up (exit code "
                 f"{self._process.exitcode}); see its log above.")
 
-    def _read_results(self) -> None:
+    def _read_available(self) -> None:
+        """Every message that has arrived. `poll` says one has begun; the core writes each
+        message in one go, so `recv` waits at most for the rest of it."""
         try:
-            while True:
+            while self._conn.poll():
                 message = self._conn.recv()
                 if isinstance(message, KVCacheReport):
                     self._kv_reports.pop(0).set_result(message)
@@ -275,10 +279,16 @@ class EngineCoreClient:
                 else:
                     self._on_result(message)
         except (EOFError, OSError):
+            self._stop_reading()
             self.closed.set()
             for waiting in [*self._kv_reports, *self._lora_replies]:
                 waiting.set_exception(RuntimeError("the engine core process died"))
             self._on_dead()
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+        self._loop = None
 
     def _send(self, message: object) -> None:
         with self._send_lock:
@@ -311,6 +321,7 @@ class EngineCoreClient:
         return self._process.is_alive()
 
     def shutdown(self) -> None:
+        self._stop_reading()
         if self._process.is_alive():
             try:
                 self._send(Shutdown())
