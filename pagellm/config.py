@@ -73,6 +73,18 @@ class CacheConfig:
                 return int(float(value) * _GIB)
         return int(DEFAULT_CPU_KV_CACHE_GIB * _GIB)
 
+    def gpu_kv_cache_bytes(self, total: int, weights: int, activation_peak: int,
+                           free: int) -> int:
+        """The GPU KV budget: explicit bytes, else vLLM's share of the device
+        (`gpu_memory_utilization` of `total`, less the weights and the activation peak); never
+        more than is `free` now beside the activation peak, so that a second engine on the
+        same GPU gets what the first left instead of failing to allocate it."""
+        if self.kv_cache_memory is not None:
+            wanted = int(self.kv_cache_memory)
+        else:
+            wanted = int(total * self.gpu_memory_utilization) - weights - activation_peak
+        return min(wanted, free - activation_peak)
+
 
 @dataclass
 class SchedulerConfig:

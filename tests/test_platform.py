@@ -1,5 +1,5 @@
 """Host memory for the KV cache: zeroed, 2 MiB-aligned, and in 2 MiB pages where Linux grants
-them; the dtypes `auto` resolves to."""
+them; the GPU's KV budget; the dtypes `auto` resolves to."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pagellm.platform as platform
+from pagellm.config import CacheConfig
 from pagellm.platform import copies_in_huge_pages, resolve_dtypes, zeros_in_huge_pages
 
 
@@ -78,3 +79,25 @@ def test_auto_on_an_int8_gguf_computes_in_float32(has_bf16: bool,
     assert resolve_dtypes("bfloat16", "auto", CPU, True) == (torch.bfloat16, torch.bfloat16)
     assert resolve_dtypes("float32", "auto", CPU, True) == (torch.float32, torch.float32)
     assert resolve_dtypes("auto", "auto", CPU, False) == (low, low)
+
+
+GIB = 1 << 30
+
+
+def test_the_gpu_budget_is_vllms_share_less_weights_and_activations() -> None:
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    assert cache.gpu_kv_cache_bytes(total=100 * GIB, weights=10 * GIB, activation_peak=2 * GIB,
+                                    free=88 * GIB) == 38 * GIB
+
+
+def test_an_explicit_gpu_budget_replaces_the_share() -> None:
+    cache = CacheConfig(gpu_memory_utilization=0.5, kv_cache_memory=3 * GIB)
+    assert cache.gpu_kv_cache_bytes(total=100 * GIB, weights=10 * GIB, activation_peak=2 * GIB,
+                                    free=88 * GIB) == 3 * GIB
+
+
+@pytest.mark.parametrize("explicit", [None, 60 * GIB])
+def test_a_gpu_shared_with_another_engine_gives_only_what_is_free(explicit: int | None) -> None:
+    cache = CacheConfig(gpu_memory_utilization=0.9, kv_cache_memory=explicit)
+    assert cache.gpu_kv_cache_bytes(total=100 * GIB, weights=10 * GIB, activation_peak=2 * GIB,
+                                    free=20 * GIB) == 18 * GIB

@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> list[ThroughputResult]:
     return results
 
 
-def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
-    """Mean seconds of one engine step once every prompt of the batch is decoding, and the
-    mean bytes such a step reads: the weights in the forms it multiplies, and every
-    request's keys and values so far."""
+def start_decoding(llm: LLM, prompts: list[list[int]], steps: int) -> list[str]:
+    """Adds greedy requests for the prompts and steps the engine until every one of them has
+    its first token, so that each of the next `steps` steps decodes the whole batch; returns
+    their request ids."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(len(prompts))]
@@ -98,7 +98,16 @@ def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[fl
     scheduler = engine.core.scheduler
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         engine.step()
-    core = engine.core
+    return ids
+
+
+def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Mean seconds of one engine step once every prompt of the batch is decoding, and the
+    mean bytes such a step reads: the weights in the forms it multiplies, and every
+    request's keys and values so far."""
+    engine = llm.engine
+    ids = start_decoding(llm, prompts, steps)
+    core, scheduler = engine.core, engine.core.scheduler
     weights = core.loaded.model.weight_bytes_read(len(prompts))
     token_bytes = core.runner.block_bytes() / core.cache_config.block_size
     contexts = sum(r.num_computed_tokens + 1 for r in scheduler.running)

@@ -36,8 +36,8 @@ _HELP = {
                       "a float32 model halves the cache's memory and speeds up decode attention "
                       "on CPU; fp8 halves it again, at some accuracy",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA)",
-    "kv_cache_memory": "KV cache budget in bytes on CPU (also VLLM_CPU_KVCACHE_SPACE in GiB); "
-                       "default 4 GiB",
+    "kv_cache_memory": "KV cache budget in bytes (CPU: default 4 GiB, also "
+                       "VLLM_CPU_KVCACHE_SPACE in GiB; CUDA: instead of gpu_memory_utilization)",
     "num_gpu_blocks_override": "exact number of KV cache blocks (testing)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "token budget of one step (the chunked-prefill size)",

@@ -135,16 +135,23 @@ class EngineCore:
                     "" if config.disable_adaptive else ", fewer or none where they do not pay")
         return SpecDecoder(config, self.max_model_len, draft)
 
+    def _gpu_kv_cache_bytes(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
+        peak = self.runner.profile_peak_bytes(
+            min(scheduler_config.max_num_batched_tokens, self.max_model_len))
+        free, total = torch.cuda.mem_get_info(self.device)
+        available = self.cache_config.gpu_kv_cache_bytes(total, weights_bytes, peak, free)
+        if available == free - peak:
+            logger.warning("Only %.2f GiB of the GPU is free (other processes or engines hold "
+                           "the rest): the KV cache gets that, less than asked", free / _GIB)
+        return available
+
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
         cache = self.cache_config
         block_bytes = self.runner.block_bytes()
         if cache.num_gpu_blocks_override is not None:
             available = cache.num_gpu_blocks_override * block_bytes
         elif self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            peak = self.runner.profile_peak_bytes(
-                min(scheduler_config.max_num_batched_tokens, self.max_model_len))
-            available = int(total * cache.gpu_memory_utilization) - weights_bytes - peak
+            available = self._gpu_kv_cache_bytes(weights_bytes, scheduler_config)
         else:
             available = cache.cpu_kv_cache_bytes()
         num_blocks = max(0, available // block_bytes)
