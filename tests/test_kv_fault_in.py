@@ -61,6 +61,7 @@ class _BusyConnection(_IdleConnection):
         return True
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the KV cache is the GPU's memory")
 def test_an_idle_core_faults_its_kv_cache_in_until_a_message_comes(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
               num_gpu_blocks_override=8192)

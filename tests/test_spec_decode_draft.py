@@ -44,6 +44,23 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def _assert_same_logprobs(outputs, plain, exact: bool) -> None:
+    """Bit-identical where the engine is batch-invariant (its CPU kernels): verifying drafts
+    attends several tokens of a request in one pass, where a plain decode attends one. On
+    CUDA the pass's shape picks other kernels, which round differently."""
+    got = [o.outputs[0].logprobs for o in outputs]
+    want = [o.outputs[0].logprobs for o in plain]
+    if exact:
+        assert got == want
+        return
+    flat = [(token, entry) for steps in got for step in steps for token, entry in step.items()]
+    expected = [(token, entry) for steps in want for step in steps
+                for token, entry in step.items()]
+    assert [token for token, _ in flat] == [token for token, _ in expected]
+    assert ([entry.logprob for _, entry in flat]
+            == pytest.approx([entry.logprob for _, entry in expected], abs=1e-4))
+
+
 def test_greedy_with_a_draft_model_equals_greedy_without(pair: tuple[str, str, str]) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=2)
               for m in (24, 5, 17, 24)]
@@ -52,7 +69,7 @@ def test_greedy_with_a_draft_model_equals_greedy_without(pair: tuple[str, str, s
         llm = _llm(pair, draft)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert _tokens(outputs) == _tokens(plain)
-        assert [o.outputs[0].logprobs for o in outputs] == [o.outputs[0].logprobs for o in plain]
+        _assert_same_logprobs(outputs, plain, exact=llm.engine.core.device.type == "cpu")
         stats = llm.engine.core.spec_decoder.stats
         assert stats.num_drafts > 10
         llm.engine.core.scheduler.check_integrity()
