@@ -77,13 +77,16 @@ class CacheConfig:
                            free: int) -> int:
         """The GPU KV budget: explicit bytes, else vLLM's share of the device
         (`gpu_memory_utilization` of `total`, less the weights and the activation peak); never
-        more than is `free` now beside the activation peak, so that a second engine on the
-        same GPU gets what the first left instead of failing to allocate it."""
+        more than that share of what is `free` now, less the activation peak, so that a
+        second engine on the same GPU gets what the first left, with the same headroom,
+        instead of failing to allocate it."""
+        return min(self.wanted_gpu_kv_cache_bytes(total, weights, activation_peak),
+                   int(free * self.gpu_memory_utilization) - activation_peak)
+
+    def wanted_gpu_kv_cache_bytes(self, total: int, weights: int, activation_peak: int) -> int:
         if self.kv_cache_memory is not None:
-            wanted = int(self.kv_cache_memory)
-        else:
-            wanted = int(total * self.gpu_memory_utilization) - weights - activation_peak
-        return min(wanted, free - activation_peak)
+            return int(self.kv_cache_memory)
+        return int(total * self.gpu_memory_utilization) - weights - activation_peak
 
 
 @dataclass

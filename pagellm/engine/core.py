@@ -139,10 +139,13 @@ class EngineCore:
         peak = self.runner.profile_peak_bytes(
             min(scheduler_config.max_num_batched_tokens, self.max_model_len))
         free, total = torch.cuda.mem_get_info(self.device)
-        available = self.cache_config.gpu_kv_cache_bytes(total, weights_bytes, peak, free)
-        if available == free - peak:
+        cache = self.cache_config
+        available = cache.gpu_kv_cache_bytes(total, weights_bytes, peak, free)
+        # a lone engine's cap sits below its share by about the CUDA context: no warning then
+        if available < cache.wanted_gpu_kv_cache_bytes(total, weights_bytes, peak) - _GIB:
             logger.warning("Only %.2f GiB of the GPU is free (other processes or engines hold "
-                           "the rest): the KV cache gets that, less than asked", free / _GIB)
+                           "the rest): the KV cache gets %.2f GiB, less than asked",
+                           free / _GIB, available / _GIB)
         return available
 
     def _determine_num_blocks(self, weights_bytes: int, scheduler_config: SchedulerConfig) -> int:
