@@ -136,19 +136,31 @@ __attribute__((always_inline)) inline void int8_live_tile(
   int8_tile<Policy, kGroupSize, R>(rows, tile, k, panel, g0, g1, out);
 }
 
-template <int kGroupSize, typename Policy, typename T, typename S>
-void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
-         const typename Policy::Codes::Byte* panel_codes, const S* panel_scales,
-         const S* panel_zeros) {
+// Rows [m0, m0 + rows) of one panel's float32 sums, `width` features from n0, into y of the
+// activations' dtype.
+template <typename T>
+void store_panel(void* y, int64_t n, int64_t m0, int64_t rows, int64_t n0, int64_t width,
+                 const float* out) {
+  T* dst = static_cast<T*>(y);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t f = 0; f < width; ++f) store(dst + (m0 + r) * n, n0 + f, out[r * kPanel + f]);
+  }
+}
+using StorePanel = void (*)(void*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*);
+
+// The rounded rows times every panel. Compiled once per policy, group size and factor type,
+// whatever the activations' dtype (only `store` depends on it): its inlined tiles are most of
+// this file's compile time, which a first start on a new machine waits for.
+template <int kGroupSize, typename Policy, typename S>
+__attribute__((noinline)) void multiply_rows(
+    const Int8Rows& rows, int64_t m, int64_t padded, int64_t k, int64_t n,
+    const typename Policy::Codes::Byte* panel_codes, const S* panel_scales,
+    const S* panel_zeros, void* y, StorePanel store_rows) {
   using Codes = typename Policy::Codes;
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
   constexpr int R = Policy::kTileRows;
-  const int64_t padded = (m + R - 1) / R * R;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
-  const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
-    return tile_interleaved<R>(k, row, group);
-  });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(block_rows * kPanel);
     for (int64_t m0 = 0; m0 < padded; m0 += block_rows) {
@@ -166,14 +178,23 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
                                                out.data() + t * kPanel);
           }
         }
-        for (int64_t r = 0; r < std::min(block, m - m0); ++r) {
-          for (int64_t f = 0; f < width; ++f) {
-            store(y + (m0 + r) * n, n0 + f, out[r * kPanel + f]);
-          }
-        }
+        store_rows(y, n, m0, std::min(block, m - m0), n0, width, out.data());
       }
     }
   });
+}
+
+template <int kGroupSize, typename Policy, typename T, typename S>
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
+         const typename Policy::Codes::Byte* panel_codes, const S* panel_scales,
+         const S* panel_zeros) {
+  constexpr int R = Policy::kTileRows;
+  const int64_t padded = (m + R - 1) / R * R;
+  const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
+    return tile_interleaved<R>(k, row, group);
+  });
+  multiply_rows<kGroupSize, Policy, S>(rows, m, padded, k, n, panel_codes, panel_scales,
+                                       panel_zeros, y, &store_panel<T>);
 }
 
 // The VNNI instructions where they are compiled and permitted.
