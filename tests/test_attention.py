@@ -186,3 +186,22 @@ def test_prompts_from_position_zero_attend_causally_without_a_mask():
                           metadata, scale=DIM ** -0.5)
     expected = torch.cat([reference_attention(q, k, v, 0) for q, k, v in zip(queries, keys, values)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs the CPU kernels")
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_float16_queries_decode_as_their_float32_values_rounded_once(cache_dtype):
+    """The decode kernel widens float16 queries and computes in float32: its float16 output is
+    its float32 output for the same values, rounded to float16, to the bit."""
+    from pagellm.kernels import paged_decode_attention
+
+    torch.manual_seed(5)
+    heads, kv_heads, dim, blocks, requests = 9, 3, 64, 16, 3
+    kv_cache = torch.randn(2, kv_heads, blocks, BLOCK, dim).to(cache_dtype)
+    tables = torch.randperm(blocks)[:requests * 5].view(requests, 5)
+    seq_lens = torch.tensor([20, 7, 13])
+    query = torch.randn(requests, heads, dim).half()
+    out = paged_decode_attention(query, kv_cache, tables, seq_lens, dim ** -0.5)
+    wide = paged_decode_attention(query.float(), kv_cache, tables, seq_lens, dim ** -0.5)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, wide.half())

@@ -345,13 +345,30 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
               "paged_decode_attention: head shapes do not match");
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
+  // float16 queries take the float32 code: it widens each query value before use and rounds
+  // each result once, as their own instantiation did, so the kernel compiles for two query
+  // dtypes instead of three (its 45 forms were the kernels' longest compile).
+  if (query.scalar_type() == at::kHalf) {
+    at::Tensor wide = out.to(at::kFloat);
+    paged_decode_attention(wide, query.to(at::kFloat), kv_cache, block_tables, seq_lens, scale,
+                           window);
+    out.copy_(wide);
+    return;
+  }
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: unsupported dtype ", query.scalar_type());
   const float f = static_cast<float>(scale);
-  pagellm::dispatch_dtype(query, "paged_decode_attention", [&](auto query_tag) {
+  auto with_query = [&](auto query_tag) {
     pagellm::dispatch_cache_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
       dispatch_dim<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables,
                                                              seq_lens, s, f, window);
     });
-  });
+  };
+  if (query.scalar_type() == at::kBFloat16) {
+    with_query(c10::BFloat16{});
+  } else {
+    with_query(float{});
+  }
 }
 
 }  // namespace
