@@ -19,7 +19,7 @@ from tiny_models import write_tiny_gguf
 from pagellm.kernels import cpu_kernels_available
 from pagellm.model.arch import arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import ModelLoadError
-from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.gguf_weights import GGUFFileReader, gguf_quantized_weights, gguf_weights
 from pagellm.model.loader import load_model
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 
@@ -28,6 +28,22 @@ Q4_0, Q4_1, Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4
                     gguf.GGMLQuantizationType.Q8_0)
 Q5_0, Q5_1 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_the_file_reader_reads_what_gguf_reads(smollm2_gguf: Path) -> None:
+    """Every metadata value (the tokenizer's arrays among them) and every tensor of the
+    embedded GGUF, as gguf's own reader gives them."""
+    ours, theirs = GGUFFileReader(smollm2_gguf), gguf.GGUFReader(smollm2_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+        assert ours.fields[name].types == field.types, name
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, list(mine.shape)) == (
+            reference.name, reference.tensor_type, list(reference.shape))
+        assert mine.data.dtype == reference.data.dtype
+        assert np.array_equal(mine.data, reference.data)
 
 
 @pytest.mark.parametrize("quantization", [Q5_0, Q5_1], ids=["Q5_0", "Q5_1"])
