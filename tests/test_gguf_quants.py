@@ -19,7 +19,8 @@ from tiny_models import write_tiny_gguf
 from pagellm.kernels import cpu_kernels_available
 from pagellm.model.arch import arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import ModelLoadError
-from pagellm.model.gguf_weights import GGUFFileReader, gguf_quantized_weights, gguf_weights
+from pagellm.model.gguf_file import GGUFFileReader
+from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.loader import load_model
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 

@@ -12,24 +12,6 @@ from gguf.quants import dequantize
 from pagellm.model.arch import ArchConfig
 from pagellm.model.quantized import GroupQuantWeight
 
-class GGUFFileReader(gguf.GGUFReader):
-    """gguf's reader, slicing the mapped file as a plain array rather than a numpy.memmap: it
-    makes a view per metadata value, and a memmap's views cost several times as much (the
-    embedded SmolLM2 GGUF, whose tokenizer holds about 150,000 values, took 2.4 s to parse
-    instead of 0.7 s, on every first start). The same fields and tensors; tensor data stay
-    views of the mapping."""
-
-    def _get(self, offset: int, dtype: np.typing.DTypeLike, count: int = 1,
-             override_order: str | None = None) -> np.ndarray:
-        mapped = self.__dict__.get("_mapped")
-        if mapped is None:
-            mapped = self._mapped = self.data.view(np.ndarray)
-        count = int(count)
-        values = mapped[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return values.view(values.dtype.newbyteorder(order))
-
-
 # Per-block GGUF tensor names (after "blk.N.") -> HF names (after "model.layers.N.").
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",

@@ -160,7 +160,8 @@ def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
     """gguf (and gguf_weights.py) are imported here, where a file is read, not with this
     module: the import costs half a second (gguf-py pulls in mistral-common), which a
     restart from the prepared-weights cache never needs."""
-    from pagellm.model.gguf_weights import GGUFFileReader, check_tensor_types
+    from pagellm.model.gguf_file import GGUFFileReader
+    from pagellm.model.gguf_weights import check_tensor_types
 
     with reading(path, "not a readable GGUF file (truncated or corrupt)"):
         reader = GGUFFileReader(path)
