@@ -349,7 +349,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   // each result once, as their own instantiation did, so the kernel compiles for two query
   // dtypes instead of three (its 45 forms were the kernels' longest compile).
   if (query.scalar_type() == at::kHalf) {
-    at::Tensor wide = out.to(at::kFloat);
+    at::Tensor wide = out.new_empty(out.sizes(), out.options().dtype(at::kFloat));
     paged_decode_attention(wide, query.to(at::kFloat), kv_cache, block_tables, seq_lens, scale,
                            window);
     out.copy_(wide);
