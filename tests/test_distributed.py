@@ -1,6 +1,7 @@
-"""Tensor and pipeline parallelism over gloo: the same greedy tokens and (within 1e-5) the
-same logits as the single-process engine, on tiny random models of every architecture and on
-the embedded GGUF; the preflight's fast failure on a dead address."""
+"""Tensor and pipeline parallelism over gloo (CPU ranks, on any machine): the same greedy
+tokens and (within 1e-5) the same logits as the single-process engine, on tiny random models
+of every architecture and on the embedded GGUF; the preflight's fast failure on a dead
+address. NCCL ranks: test_distributed_cuda.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pagellm.worker.step_chunk import StepChunk
 
 PROMPTS = ["The quick brown fox", "Hello! How are you today? I am"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-ENGINE = {"dtype": "float32", "kv_cache_memory": 1 << 24, "max_model_len": 256}
+ENGINE = {"dtype": "float32", "kv_cache_memory": 1 << 24, "max_model_len": 256,
+          "device": "cpu"}
 
 
 def _shutdown(llm: LLM) -> None:
@@ -62,6 +64,16 @@ def _check_same(single: LLM, parallel: LLM) -> None:
         expected, got = _prompt_logits(single, prompt), _prompt_logits(parallel, prompt)
         assert got.shape == expected.shape
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+
+
+def test_one_rank_on_the_mp_executor_matches_the_uni_one(
+        tiny_llama_dir: Path, make_llm: Callable[..., LLM]) -> None:
+    """A world of one asked to run on `mp` (vLLM runs it so too): the process group of one
+    rank, its preflight and the wrapped model, with no worker processes."""
+    parallel = make_llm(tiny_llama_dir, distributed_executor_backend="mp")
+    assert parallel.engine.core.executor is not None
+    assert parallel.engine.core.executor.processes == []
+    _check_same(make_llm(tiny_llama_dir), parallel)
 
 
 def test_tensor_parallel_matches_one_process(tiny_model_dir: Path,

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.distributed.config import add_parallel_cli_args
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class ThroughputResult:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, skip=("max_num_seqs",))
+    add_parallel_cli_args(parser)  # -tp, -pp and the executor, as `serve` takes them
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,8,32,64",

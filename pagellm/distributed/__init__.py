@@ -1,9 +1,11 @@
-"""Tensor and pipeline parallelism over torch.distributed (gloo on CPU), its ranks started
-as processes on this machine or as Ray actors across a cluster.
+"""Tensor and pipeline parallelism over torch.distributed (gloo on CPU, NCCL on CUDA), its
+ranks started as processes on this machine or as Ray actors across a cluster.
 
 The engine core stays one process with one scheduler; `start_executor` gives it the ranks
-that run the model with it, or None for the single-process engine (world size 1), which
-then runs exactly as before.
+that run the model with it, or None for the single-process engine (the uni executor, vLLM's
+choice for a world size of 1), which then runs exactly as before. A world of one rank asked
+to run on `mp` or `ray` gets that executor with no workers: the same process group and
+preflight, as in vLLM.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 
 def start_executor(parallel: ParallelConfig | None, cache: CacheConfig,
                    device: "torch.device") -> "MultiprocExecutor | None":
-    if parallel is None or parallel.world_size == 1:
+    if parallel is None or parallel.distributed_executor_backend == "uni":
         return None
     if cache.offload_bytes:
         raise ValueError("KV offloading with tensor or pipeline parallelism is not supported "

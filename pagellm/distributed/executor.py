@@ -4,8 +4,9 @@ Rank 0 (the driver) lives in the engine core's process, next to the one schedule
 1..N-1 are worker processes (`python -m pagellm.distributed.worker`) connected back to it
 over an authenticated local socket. Each step the driver sends the workers the step's
 integer plan (`StepChunk`s: token ids, start positions, block tables, samples per chunk),
-never tensors they can build themselves; the tensors they exchange go over the gloo process
-group inside the model (pagellm.distributed.model). Only rank 0 samples.
+never tensors they can build themselves; the tensors they exchange go over the process group
+inside the model (pagellm.distributed.model): gloo on CPU, NCCL between GPUs. Only rank 0
+samples.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch.distributed as dist
 
 from pagellm.config import ModelConfig
 from pagellm.distributed.config import ParallelConfig, layer_partition
-from pagellm.distributed.group import (ParallelGroup, RankInfo, free_port, init_rank,
-                                       join_timeout, pin_threads, rendezvous_host)
+from pagellm.distributed.group import (ParallelGroup, RankInfo, check_gpus, free_port,
+                                       init_rank, join_timeout, pin_threads, rank_device,
+                                       rendezvous_host)
 from pagellm.distributed.model import ParallelCausalLM
 from pagellm.distributed.nodes import (NODES_WAIT_ENV, node_authkey, start_worker_process,
                                        worker_env)
@@ -95,7 +97,7 @@ def load_rank_model(config: ModelConfig, dtype: torch.dtype, group: ParallelGrou
         layouts.append(ShardLayout(arch, group.info))
         return layouts[0]
 
-    loaded = load_model(config.model, dtype, torch.device("cpu"), config.tokenizer,
+    loaded = load_model(config.model, dtype, rank_device(group.info), config.tokenizer,
                         config.gguf_quantized_max_tokens, config.int8_activations(),
                         config.batch_invariant, shard_for=shard_for,
                         formats=config.formats())
@@ -108,15 +110,17 @@ class MultiprocExecutor:
     """Starts the workers, joins the process group with them and loads rank 0's shard."""
 
     def __init__(self, parallel: ParallelConfig, device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ValueError("tensor and pipeline parallelism run on CPU (gloo) here; CUDA "
-                             "(NCCL) ranks are not supported by pagellm yet.")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor and pipeline parallelism run on CPU (gloo) or CUDA "
+                             f"(NCCL) ranks, not on {device.type}.")
         self.parallel = parallel
         multi_node = parallel.nnodes > 1
         host = parallel.master_addr if multi_node else rendezvous_host()
         self.init_method = f"tcp://{host}:{free_port()}"
         self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                             self.init_method, parallel.nnodes)
+                             self.init_method, parallel.nnodes, device.type)
+        if device.type == "cuda":
+            check_gpus(self.info)
         self.processes: list[WorkerProcess] = []
         self.conns: list[Connection] = []
         self.doormen: list[Doorman] = []
@@ -132,8 +136,9 @@ class MultiprocExecutor:
         with the driver)."""
         local = self.info.local_world_size
         logger.info("Starting %d worker processes for tensor parallel size %d x pipeline "
-                    "parallel size %d (backend gloo, rendezvous %s, %d node(s))", local - 1,
-                    self.info.tp_size, self.info.pp_size, self.init_method, self.info.nnodes)
+                    "parallel size %d (backend %s, rendezvous %s, %d node(s))", local - 1,
+                    self.info.tp_size, self.info.pp_size, self.info.backend, self.init_method,
+                    self.info.nnodes)
         try:
             # before rank 0 pins itself: each worker takes its share of all this process's
             # cores (a data parallel engine's share of the node), not of rank 0's
@@ -176,7 +181,7 @@ class MultiprocExecutor:
         self.conns.extend(roster.conns[rank] for rank in sorted(roster.conns))
         for rank, conn in enumerate(self.conns, start=1):
             info = RankInfo(rank, self.info.tp_size, self.info.pp_size, self.init_method,
-                            self.info.nnodes)
+                            self.info.nnodes, self.info.device_type)
             conn.send(WorkerInit(info, config, dtype, kv_cache_dtype, block_size))
 
     def driver_host(self) -> str:

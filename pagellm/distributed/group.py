@@ -2,7 +2,9 @@
 collectives the model calls, and the preflight every rank runs before any weight loads.
 
 Ranks are laid out as vLLM lays them out: global rank = pp_rank * tp_size + tp_rank; rank 0
-(the driver, in the engine core's process) samples.
+(the driver, in the engine core's process) samples. CPU ranks talk over gloo; CUDA ranks over
+NCCL, one GPU each (a node's ranks take its GPUs in order, after those of the data parallel
+engines before theirs).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class RankInfo:
     pp_size: int
     init_method: str  # tcp://address:port of the rendezvous
     nnodes: int = 1  # the ranks split evenly over the nodes, in order
+    device_type: str = "cpu"  # or "cuda"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
 
     @property
     def world_size(self) -> int:
@@ -78,6 +85,12 @@ class ParallelGroup:
                            for stage in range(info.pp_size)]
         self.tp_group = self._tp_groups[info.pp_rank]
         self.tp_root = info.pp_rank * info.tp_size  # global rank of tp rank 0 of this stage
+        self.last_root = (info.pp_size - 1) * info.tp_size  # the rank that has the logits
+        # the logits go back to rank 0 on a group of their own: NCCL ignores tags and keeps
+        # one order per pair of ranks, in which rank 0's send of the next step's hidden
+        # states would wait for the last stage, itself waiting to send this step's logits
+        self.logits_group = (dist.new_group([0, self.last_root]) if info.pp_size > 1
+                             else None)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.info.tp_size > 1:
@@ -120,29 +133,56 @@ def free_port(host: str = "") -> int:
         return probe.getsockname()[1]
 
 
+def rank_device(info: RankInfo) -> torch.device:
+    """A CUDA rank's GPU: the node's GPUs go to its data parallel engines in turn, then to
+    each engine's ranks in order."""
+    if info.device_type != "cuda":
+        return torch.device("cpu")
+    engine, _ = engine_slot()
+    return torch.device("cuda", engine * info.local_world_size + info.local_rank)
+
+
+def check_gpus(info: RankInfo) -> None:
+    """One line before any process starts when this node has too few GPUs for its ranks."""
+    engine, engines = engine_slot()
+    needed, seen = engines * info.local_world_size, torch.cuda.device_count()
+    if needed > seen:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"tensor parallel size {info.tp_size} x pipeline parallel size {info.pp_size} "
+            f"puts {info.local_world_size} CUDA ranks on this node"
+            + (f" for each of its {engines} data parallel engines" if engines > 1 else "")
+            + f", one GPU each: {needed} GPUs are needed and {seen} are visible"
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            + "; lower the parallel sizes or add GPUs.")
+
+
 def init_rank(info: RankInfo) -> ParallelGroup:
-    """Join the gloo group within the timeout, then run the preflight; any failure is a
-    PreflightError of one line."""
+    """Join the group (gloo, or NCCL for CUDA ranks) within the timeout, then run the
+    preflight; any failure is a PreflightError of one line."""
     timeout = join_timeout()
+    interface = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
     hint = ("check that every rank can reach it; set VLLM_HOST_IP (or PAGELLM_HOST_IP) to "
-            "this node's reachable address and GLOO_SOCKET_IFNAME to its interface")
+            f"this node's reachable address and {interface} to its interface")
+    if info.device_type == "cuda":
+        torch.cuda.set_device(rank_device(info))
     try:
-        dist.init_process_group("gloo", init_method=info.init_method, rank=info.rank,
+        dist.init_process_group(info.backend, init_method=info.init_method, rank=info.rank,
                                 world_size=info.world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, ValueError, OSError) as error:
         _forget_failed_group()
         raise PreflightError(f"rank {info.rank} could not join the process group at "
-                             f"{info.init_method} within {timeout:g} s (backend gloo): "
-                             f"{_first_line(error)}; {hint}.") from None
+                             f"{info.init_method} within {timeout:g} s (backend "
+                             f"{info.backend}): {_first_line(error)}; {hint}.") from None
     group = ParallelGroup(info)
     try:
         _preflight(group)
     except RuntimeError as error:
         _forget_failed_group()
         raise PreflightError(f"rank {info.rank}: the preflight all-reduce / send-recv over "
-                             f"{info.init_method} failed (backend gloo): {_first_line(error)}; "
-                             f"{hint}.") from None
+                             f"{info.init_method} failed (backend {info.backend}): "
+                             f"{_first_line(error)}; {hint}.") from None
     return group
 
 
@@ -163,14 +203,15 @@ def _preflight(group: ParallelGroup) -> None:
     """One all-reduce over the world and one send/recv around a ring, before any weight loads:
     a rank that cannot talk fails here in seconds instead of hanging the first step."""
     info = group.info
-    start = time.perf_counter()
-    total = torch.ones(1)
+    start, device = time.perf_counter(), rank_device(info)
+    total = torch.ones(1, device=device)
     dist.all_reduce(total)
     if int(total.item()) != info.world_size:
         raise RuntimeError(f"the all-reduce summed {int(total.item())}, not {info.world_size}")
     if info.world_size > 1:
         right, left = (info.rank + 1) % info.world_size, (info.rank - 1) % info.world_size
-        sent, got = torch.tensor([info.rank]), torch.empty(1, dtype=torch.long)
+        sent = torch.tensor([info.rank], device=device)
+        got = torch.empty(1, dtype=torch.long, device=device)
         requests = [dist.isend(sent, right), dist.irecv(got, left)]
         for request in requests:
             request.wait()
@@ -178,13 +219,15 @@ def _preflight(group: ParallelGroup) -> None:
             raise RuntimeError(f"the ring send/recv got {int(got.item())}, not {left}")
     host = info.init_method.removeprefix("tcp://").rpartition(":")[0]
     logger.info("Preflight of rank %d (tp %d, pp %d) passed in %.3f s: address %s, interface "
-                "%s, backend gloo", info.rank, info.tp_rank, info.pp_rank,
-                time.perf_counter() - start, host, interface_of(host))
+                "%s, backend %s%s", info.rank, info.tp_rank, info.pp_rank,
+                time.perf_counter() - start, host, interface_of(host, info.backend),
+                info.backend, f", {device}" if device.type == "cuda" else "")
 
 
-def interface_of(address: str) -> str:
-    """The network interface gloo uses: GLOO_SOCKET_IFNAME, else the one holding `address`."""
-    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
+def interface_of(address: str, backend: str = "gloo") -> str:
+    """The network interface the backend uses: GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME), else
+    the one holding `address`."""
+    chosen = os.environ.get(f"{backend.upper()}_SOCKET_IFNAME")
     if chosen:
         return chosen
     try:

@@ -96,26 +96,29 @@ class ParallelCausalLM(nn.Module):
                        (residual, self.group.send_next(residual, tag=_RESIDUAL_TAG))]
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.net.model.norm.weight.dtype)
+        weight = self.net.model.norm.weight
+        return torch.empty(shape, dtype=weight.dtype, device=weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The full vocabulary's logits on rank 0; None on every other rank. Rank 0 receives
         them when it asks (under the batch queue: when it waits for the step's result)."""
-        info = self.group.info
-        last_root = (info.pp_size - 1) * info.tp_size
+        group = self.group
+        info = group.info
         if info.is_last_stage:
-            logits = self.group.gather_to_root(self.net.compute_logits(hidden))
+            logits = group.gather_to_root(self.net.compute_logits(hidden))
             if logits is None:
                 return None
             logits = logits[:, :self.vocab_size]
             if info.rank == 0:
                 return logits
-            dist.send(logits.float().contiguous(), 0, tag=_LOGITS_TAG)
+            dist.send(logits.float().contiguous(), 0, group=group.logits_group,
+                      tag=_LOGITS_TAG)
             return None
         if info.rank != 0:
             return None
-        logits = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32)
-        dist.recv(logits, last_root, tag=_LOGITS_TAG)
+        logits = torch.empty((hidden.shape[0], self.vocab_size), dtype=torch.float32,
+                             device=hidden.device)
+        dist.recv(logits, group.last_root, group=group.logits_group, tag=_LOGITS_TAG)
         return logits.to(hidden.dtype)
 
     def weight_bytes(self) -> int:
@@ -123,3 +126,7 @@ class ParallelCausalLM(nn.Module):
 
     def num_weights(self) -> int:
         return self.net.num_weights()
+
+    def weight_bytes_read(self, tokens: int) -> int:
+        """This rank's share (see LlamaForCausalLM.weight_bytes_read)."""
+        return self.net.weight_bytes_read(tokens)

@@ -91,6 +91,9 @@ class RayExecutor(MultiprocExecutor):
     placed in (-dpb ray: one group per data parallel rank), else one made here."""
 
     def __init__(self, parallel: ParallelConfig, device) -> None:
+        if device.type == "cuda":  # its bundles would have to hold GPUs, and be tested so
+            raise ValueError("distributed_executor_backend 'ray' places CPU ranks; CUDA ranks "
+                             "run with 'mp' (--nnodes for several nodes) in pagellm for now.")
         self.ray = connect_ray()
         super().__init__(parallel, device)
         self.placement = self.ray.util.get_current_placement_group()

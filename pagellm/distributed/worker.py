@@ -13,11 +13,10 @@ import sys
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge
 
-import torch
-
 from pagellm.distributed.executor import (AllocateKVCache, StopWorker,
                                           WorkerFailed, WorkerInit, WorkerReady, load_rank_model)
-from pagellm.distributed.group import PreflightError, init_rank, pin_threads
+from pagellm.distributed.group import (PreflightError, check_gpus, init_rank, pin_threads,
+                                       rank_device)
 from pagellm.distributed.nodes import (WORKER_ADDRESS_ENV, WORKER_AUTHKEY_ENV, connect_to,
                                        read_claim)
 from pagellm.distributed.roster import RankClaim, Refused
@@ -66,14 +65,17 @@ def _join(claim: RankClaim) -> tuple[Connection, WorkerInit] | None:
 def _start(conn: Connection, init: WorkerInit) -> ModelRunner:
     info = init.info
     pin_threads(info.local_rank, info.local_world_size)  # this node's cores
-    cpu_kernels_available()
+    if info.device_type == "cuda":
+        check_gpus(info)  # this node's GPUs
+    else:
+        cpu_kernels_available()
     group = init_rank(info)
     loaded, layout = load_rank_model(init.model_config, init.dtype, group)
     conn.send(WorkerReady())
     message = conn.recv()
     assert isinstance(message, AllocateKVCache)
     config = init.model_config
-    runner = ModelRunner(loaded.model, layout.local_arch, init.block_size, torch.device("cpu"),
+    runner = ModelRunner(loaded.model, layout.local_arch, init.block_size, rank_device(info),
                          init.dtype, config.seed, init.kv_cache_dtype, config.batch_invariant)
     runner.allocate_kv_cache(message.num_blocks)
     conn.send(WorkerReady())
