@@ -147,14 +147,14 @@ class EngineArgs(ParallelArgs):
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-    runner: str = "auto"
-    convert: str = "auto"
-    pooler_config: str | None = None
 
     def model_config(self) -> ModelConfig:
         if self.gguf_quantized_max_tokens is not None and self.gguf_quantized_max_tokens < 0:
