@@ -93,28 +93,40 @@ def test_two_engines_serve_concurrent_clients(tiny_llama_dir: Path) -> None:
         server.stop()
 
 
+PROMPTS = [f"Request number {index} says" for index in range(8)]
+_GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def single_engine_answers(model: Path) -> list[str]:
+    """The single-process engine's greedy answers to PROMPTS."""
+    single = LLM(str(model), dtype="float32", max_model_len=256, kv_cache_memory=1 << 24)
+    return [output.outputs[0].text for output in single.generate(PROMPTS, _GREEDY)]
+
+
+def check_both_engines_answer(server: RemoteServer, model: Path, expected: list[str]) -> None:
+    """PROMPTS from 8 clients at once: every answer is `expected`'s, whichever of the two
+    engines served it, and each engine served some."""
+    client = server.client()
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model=str(model), prompt=prompt,
+                                         max_tokens=_GREEDY.max_tokens, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, PROMPTS)) == expected
+    served = _engine_samples(httpx.get(f"{server.url}/metrics", timeout=5).text,
+                             "vllm:request_success_total")
+    assert set(served) == {"0", "1"} and sum(served.values()) == len(PROMPTS)
+
+
 def test_each_engine_drives_its_own_tensor_parallel_ranks(tiny_llama_dir: Path) -> None:
     """-dp 2 -tp 2: two engine cores of two ranks each; every answer is the single-process
     engine's, whichever engine served it."""
-    prompts = [f"Request number {index} says" for index in range(8)]
-    single = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
-                 kv_cache_memory=1 << 24)
-    expected = [output.outputs[0].text for output in single.generate(
-        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    expected = single_engine_answers(tiny_llama_dir)
     server = RemoteServer(tiny_llama_dir, "-dp", "2", "-tp", "2")
     try:
-        client = server.client()
-
-        def ask(prompt: str) -> str:
-            return client.completions.create(model=str(tiny_llama_dir), prompt=prompt,
-                                             max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        with ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(ask, prompts)) == expected
-        text = httpx.get(f"{server.url}/metrics", timeout=5).text
-        served = _engine_samples(text, "vllm:request_success_total")
-        assert set(served) == {"0", "1"} and sum(served.values()) == len(prompts)
+        check_both_engines_answer(server, tiny_llama_dir, expected)
         assert server.output().count("Starting 1 worker processes for tensor parallel size "
                                      "2") == 2
     finally:

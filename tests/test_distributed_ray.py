@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,9 +24,8 @@ import openai
 import psutil
 import pytest
 from server_utils import RemoteServer, cli_env
-from test_data_parallel import _engine_samples
-
-from pagellm import LLM, SamplingParams
+from test_data_parallel import (_engine_samples, check_both_engines_answer,
+                                single_engine_answers)
 
 pytest.importorskip("ray")
 TESTS = Path(__file__).parent
@@ -71,27 +69,12 @@ def _engine_processes(cluster: psutil.Process) -> dict[str, psutil.Process]:
 
 def test_ray_places_each_data_parallel_engine_and_its_ranks_on_a_node(
         tiny_llama_dir: Path, ray_cluster: tuple[str, psutil.Process]) -> None:
-    prompts = [f"Request number {index} says" for index in range(8)]
-    single = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256,
-                 kv_cache_memory=1 << 24)
-    expected = [output.outputs[0].text for output in single.generate(
-        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    expected = single_engine_answers(tiny_llama_dir)
     server = RemoteServer(tiny_llama_dir, "-dp", "2", "-dpl", "1", "-tp", "2", "-dpb", "ray",
                           env={"RAY_ADDRESS": ray_cluster[0],
                                "PAGELLM_RAY_CPUS_PER_RANK": "0.5"}, startup_timeout=300)
     try:
-        client = server.client()
-
-        def ask(prompt: str) -> str:
-            return client.completions.create(model=str(tiny_llama_dir), prompt=prompt,
-                                             max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True}).choices[0].text
-
-        with ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(ask, prompts)) == expected
-        served = _engine_samples(httpx.get(f"{server.url}/metrics", timeout=5).text,
-                                 "vllm:request_success_total")
-        assert set(served) == {"0", "1"} and sum(served.values()) == len(prompts)
+        check_both_engines_answer(server, tiny_llama_dir, expected)
         engines = _engine_processes(ray_cluster[1])
         raylets = {name: process.ppid() for name, process in engines.items()}
         assert len(raylets) == 4, engines  # two engines, each with its rank 1
