@@ -1,11 +1,13 @@
-"""The parallel flags (vLLM's names, short forms, defaults), the layer split and the refusals
-of what is not built yet; no process is started here."""
+"""The parallel flags (vLLM's names, short forms, defaults), the layer split, the refusals
+of what is not built yet and the GPU each CUDA rank takes; no process is started here."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagellm.distributed.config import ParallelArgs, get_pp_indices, layer_partition
+from pagellm.distributed.group import ENGINE_SLOT_ENV, RankInfo, check_gpus, rank_device
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.cli import build_parser
 
@@ -40,6 +42,8 @@ def test_short_flags_and_defaults() -> None:
 
 def test_executor_is_chosen_as_vllm_chooses() -> None:
     assert ParallelArgs().parallel_config().distributed_executor_backend == "uni"
+    one_on_mp = ParallelArgs(distributed_executor_backend="mp").parallel_config()
+    assert (one_on_mp.world_size, one_on_mp.distributed_executor_backend) == (1, "mp")
     config = ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel_config()
     assert (config.world_size, config.distributed_executor_backend) == (4, "mp")
     config = ParallelArgs(data_parallel_size=2, data_parallel_backend="ray",
@@ -113,3 +117,38 @@ def test_layer_partition_from_the_environment(name: str, monkeypatch: pytest.Mon
     monkeypatch.setenv(name, "a,b")
     with pytest.raises(ValueError, match="Invalid partition string: a,b"):
         layer_partition(4, 2)
+
+
+def _cuda_rank(rank: int, tp: int, pp: int, nnodes: int = 1) -> RankInfo:
+    return RankInfo(rank, tp, pp, "tcp://127.0.0.1:1", nnodes, "cuda")
+
+
+@pytest.mark.parametrize("rank, tp, pp, nnodes, slot, device", [
+    (0, 2, 1, 1, "0/1", 0), (1, 2, 1, 1, "0/1", 1),  # one engine: its ranks in order
+    (3, 2, 2, 1, "0/1", 3),
+    (1, 2, 1, 1, "1/2", 3),  # -dp 2 -tp 2: engine 1's rank 1 after engine 0's two GPUs
+    (3, 2, 2, 2, "0/1", 1),  # --nnodes 2: global rank 3 is node 1's second rank
+])
+def test_cuda_ranks_take_their_nodes_gpus_in_order(rank: int, tp: int, pp: int, nnodes: int,
+                                                   slot: str, device: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENGINE_SLOT_ENV, slot)
+    info = _cuda_rank(rank, tp, pp, nnodes)
+    assert info.backend == "nccl"
+    assert rank_device(info) == torch.device("cuda", device)
+    assert rank_device(RankInfo(rank, tp, pp, "tcp://127.0.0.1:1", nnodes)) == torch.device("cpu")
+
+
+def test_too_few_gpus_for_a_nodes_ranks_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-dp 2 -tp 2 on one node needs 4 GPUs; 3 visible stop it before any process starts."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    monkeypatch.setenv(ENGINE_SLOT_ENV, "0/2")
+    with pytest.raises(ValueError) as error:
+        check_gpus(_cuda_rank(0, 2, 1))
+    assert str(error.value) == (
+        "tensor parallel size 2 x pipeline parallel size 1 puts 2 CUDA ranks on this node for "
+        "each of its 2 data parallel engines, one GPU each: 4 GPUs are needed and 3 are visible "
+        "(CUDA_VISIBLE_DEVICES=0,1,2); lower the parallel sizes or add GPUs.")
+    monkeypatch.setenv(ENGINE_SLOT_ENV, "0/1")
+    check_gpus(_cuda_rank(0, 2, 1))  # one engine's 2 ranks fit
