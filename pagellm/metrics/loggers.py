@@ -162,23 +162,23 @@ class _OffloadMetrics:
     def __init__(self, make: MetricFactory, engine: int) -> None:
         gauge, counter, histogram = _for_engine(make, engine)
         self.usage = gauge("vllm:kv_offload_cpu_cache_usage_perc",
-                                "CPU KV offloading usage. 1 means 100 percent.")
+                           "CPU KV offloading usage. 1 means 100 percent.")
         self.allocation = gauge("vllm:kv_offload_cpu_allocation_size",
-                                     "Bytes of CPU memory allocated for offloaded KV blocks.")
+                                "Bytes of CPU memory allocated for offloaded KV blocks.")
         self.store_bytes = counter("vllm:kv_offload_store_bytes",
-                                        "Total bytes stored from GPU to offload storage.")
+                                   "Total bytes stored from GPU to offload storage.")
         self.store_time = counter("vllm:kv_offload_store_time",
-                                       "Total store time from GPU to offload storage, in seconds.")
+                                  "Total store time from GPU to offload storage, in seconds.")
         self.store_size = histogram("vllm:kv_offload_store_size",
-                                         "Histogram of KV offload store operation size, in bytes.",
-                                         _TRANSFER_SIZE_BUCKETS)
+                                    "Histogram of KV offload store operation size, in bytes.",
+                                    _TRANSFER_SIZE_BUCKETS)
         self.load_bytes = counter("vllm:kv_offload_load_bytes",
-                                       "Total bytes loaded from offload storage to GPU.")
+                                  "Total bytes loaded from offload storage to GPU.")
         self.load_time = counter("vllm:kv_offload_load_time",
-                                      "Total load time from offload storage to GPU, in seconds.")
+                                 "Total load time from offload storage to GPU, in seconds.")
         self.load_size = histogram("vllm:kv_offload_load_size",
-                                        "Histogram of KV offload load operation size, in bytes.",
-                                        _TRANSFER_SIZE_BUCKETS)
+                                   "Histogram of KV offload load operation size, in bytes.",
+                                   _TRANSFER_SIZE_BUCKETS)
 
     def record(self, offload: OffloadStats, previous: OffloadStats | None) -> None:
         self.usage.set(offload.usage)
