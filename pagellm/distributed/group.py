@@ -212,7 +212,10 @@ def _preflight(group: ParallelGroup) -> None:
         right, left = (info.rank + 1) % info.world_size, (info.rank - 1) % info.world_size
         sent = torch.tensor([info.rank], device=device)
         got = torch.empty(1, dtype=torch.long, device=device)
-        requests = [dist.isend(sent, right), dist.irecv(got, left)]
+        # one batch: NCCL runs it as one group call, where two ranks that both sent first and
+        # received second could wait on each other
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, sent, right),
+                                           dist.P2POp(dist.irecv, got, left)])
         for request in requests:
             request.wait()
         if int(got.item()) != left:
