@@ -107,6 +107,25 @@ inline void unpack_nibbles(const uint8_t* packed, int64_t groups, uint8_t* bytes
   }
 }
 
+// The first `rows` accumulators to rows of y (`width` features each, `n` apart), in y's
+// dtype. A whole panel of float32 goes as one vector store: a block's 16 rows stored
+// feature by feature took about 5% of a 64-client run on the Xeon with AMX.
+template <typename T>
+inline void store_rows(const __m512 (&acc)[kRows], int64_t rows, int64_t width, T* y,
+                       int64_t n) {
+  alignas(64) float out[kPanel];
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (width == kPanel) {
+        _mm512_storeu_ps(y + r * n, acc[r]);
+        continue;
+      }
+    }
+    _mm512_store_ps(out, acc[r]);
+    for (int64_t f = 0; f < width; ++f) store(y + r * n, f, out[f]);
+  }
+}
+
 template <typename T, typename Code, typename S>
 void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
          const S* panel_scales, const S* panel_zeros) {
@@ -154,11 +173,7 @@ void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const 
                                       sums[0]);
           add(g, sums[0]);
         }
-        alignas(64) float out[kPanel];
-        for (int64_t r = 0; r < std::min<int64_t>(kRows, m - m0); ++r) {
-          _mm512_store_ps(out, acc[r]);
-          for (int64_t f = 0; f < width; ++f) store(y + (m0 + r) * n, n0 + f, out[f]);
-        }
+        store_rows(acc, std::min<int64_t>(kRows, m - m0), width, y + m0 * n + n0, n);
       }
     }
     _tile_release();
