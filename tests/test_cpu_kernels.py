@@ -297,4 +297,30 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
     (tmp_path / name / f"{name}.so").write_bytes(b"half a library")
     assert kernels.cpu_kernels_available.__wrapped__()
     assert built == [[str(tmp_path / name / "unit_0.cpp"), str(tmp_path / name / "unit_1.cpp")]]
-    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "paged_attention.cpp"')
+    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "decode_attention_invariant.cpp"')
+
+
+def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A first start compiles the default path's kernels only; the plain paged decode
+    attention, the float-activation matmul and AMX's bf16 tiles compile when a configuration
+    first asks for them, as a second library."""
+    import torch.utils.cpp_extension
+
+    import pagellm.kernels as kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
+    built: list[list[str]] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kwargs: built.append(kwargs["sources"]))
+    assert kernels.cpu_kernels_available.__wrapped__()
+    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: True)
+    assert kernels.on_demand_kernels_available.__wrapped__()
+    default, on_demand = ([Path(unit).read_text() for unit in units] for units in built)
+    assert not any(name in unit for unit in default
+                   for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
+                                '"quantized_linear_bf16_amx.cpp"'))
+    assert on_demand == ['#include "paged_attention.cpp"\n',
+                         '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n']
+    assert Path(built[1][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")

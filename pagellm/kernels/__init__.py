@@ -27,20 +27,27 @@ logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as two translation units side by side, each including its kernel files: torch's
-# headers take about 8 s of each unit's compile, paid once per unit instead of once per file
-# (a first start's build went from 118 s to about 38 s on two cores, 32 s since the int8
-# kernel's tiles compile once for every activation dtype). Balanced by measured compile time
-# (about 27-30 s each with -O3 on the AVX512 EPYC); every file keeps its internals in a
+# headers take about 4-5 s of each unit's compile, paid once per unit instead of once per
+# file, and the two units build at once on two cores. Every file keeps its internals in a
 # namespace of its own (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they
-# can share one.
-_UNITS = (
-    ("paged_attention.cpp", "decode_attention_invariant.cpp", "write_kv.cpp",
+# can share one. The default serving path's kernels are one library, built at a first start;
+# those only some configurations call are another, built when one first needs them
+# (_ON_DEMAND_UNITS). Units balanced by each file's compile time on a 2-core Xeon with AMX
+# (-O3; net of the headers, 11.8 and 11.5 s for the first library).
+_DEFAULT_UNITS = (
+    ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
      "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
      "token_mask.cpp", "decoder_layer.cpp"),
-    ("quantized_linear_int8.cpp", "prefill_attention.cpp", "quantized_linear.cpp",
-     "sampling_noise.cpp", "quantized_linear_bf16_amx.cpp", "quantized_linear_amx.cpp"),
+    ("quantized_linear_int8.cpp", "sampling_noise.cpp", "quantized_linear_amx.cpp"),
 )
-_SOURCES = [_HERE / name for unit in _UNITS for name in unit]
+# The decode attention of --no-batch-invariant (paged_attention), the quantized matmul with
+# float activations (--no-gguf-int8-activations, --dtype float32) and AMX's bf16 tiles (bf16
+# models): 12 of a first start's 45 s of compiler time, on no default path.
+_ON_DEMAND_UNITS = (
+    ("paged_attention.cpp",),
+    ("quantized_linear.cpp", "quantized_linear_bf16_amx.cpp"),
+)
+_SOURCES = [_HERE / name for unit in (*_DEFAULT_UNITS, *_ON_DEMAND_UNITS) for name in unit]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
                                       "quantized_linear.h", "int8_group_sums.h", "int8_rows.h",
                                       "attention_scores.h", "amx_tiles.h")]
@@ -57,22 +64,42 @@ _ISA_FLAGS = {
 
 @functools.cache
 def cpu_kernels_available() -> bool:
-    """Build (or load the cached build of) the CPU kernels; False if they cannot be used."""
+    """Build (or load the cached build of) the default path's CPU kernels; False if they
+    cannot be used."""
     if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
         return False
+    if _build_library("pagellm_cpu_kernels", _DEFAULT_UNITS):
+        return True
+    logger.warning("CPU kernels unavailable, using torch ops instead (slower)")
+    return False
+
+
+@functools.cache
+def on_demand_kernels_available() -> bool:
+    """Build (or load) the kernels of _ON_DEMAND_UNITS, which only some configurations call:
+    the loader and the model runner ask for them when theirs does, the ops' wrappers below
+    before any call."""
+    return cpu_kernels_available() and _build_library("pagellm_cpu_kernels_on_demand",
+                                                      _ON_DEMAND_UNITS)
+
+
+def _build_library(prefix: str, units: tuple[tuple[str, ...], ...]) -> bool:
+    """Load the library of these units built for this CPU, building it first where it is not
+    there (with AMX's flags, then without them for a compiler that lacks them)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _isa_flags(capability)
-    # a compiler without AMX's flags (before GCC 11) still builds everything else
     without_amx = [flag for flag in flags if flag not in _AMX_FLAGS]
     for attempt, isa in enumerate([flags] if without_amx == flags else [flags, without_amx]):
-        name = f"pagellm_cpu_kernels_{capability.lower()}_{_build_digest(isa)}_{attempt}"
+        name = f"{prefix}_{capability.lower()}_{_build_digest(isa)}_{attempt}"
         try:
             with build_lock(build_directory(name)) as folder:
                 if not _load_built(folder / f"{name}.so"):
                     from torch.utils.cpp_extension import load
 
-                    load(name=name, sources=_write_units(folder), extra_include_paths=[str(_HERE)],
-                         build_directory=str(folder),
+                    logger.info("Compiling %s (once per machine)",
+                                ", ".join(file for unit in units for file in unit))
+                    load(name=name, sources=_write_units(folder, units),
+                         extra_include_paths=[str(_HERE)], build_directory=str(folder),
                          extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
                                        *isa],
                          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -80,7 +107,6 @@ def cpu_kernels_available() -> bool:
         except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, build error
             logger.warning("CPU kernels could not be built with [%s]: %s", " ".join(isa),
                            str(error).splitlines()[0] if str(error) else type(error).__name__)
-    logger.warning("CPU kernels unavailable, using torch ops instead (slower)")
     return False
 
 
@@ -171,11 +197,11 @@ def _load_built(library: Path) -> bool:
     return True
 
 
-def _write_units(folder: Path) -> list[str]:
+def _write_units(folder: Path, units: tuple[tuple[str, ...], ...]) -> list[str]:
     """The translation units, written (only when changed, so that ninja sees no new input)
     into the build folder."""
     paths = []
-    for index, unit in enumerate(_UNITS):
+    for index, unit in enumerate(units):
         path = folder / f"unit_{index}.cpp"
         text = "".join(f'#include "{name}"\n' for name in unit)
         if not path.is_file() or path.read_text() != text:
@@ -189,6 +215,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            scale: float, window: int = 0) -> torch.Tensor:
     """query [N, H, D] (one token per request) -> [N, H * D], keys read in place from the cache
     (with a `window`, each query's last `window` keys only)."""
+    _require_on_demand_kernels("paged_decode_attention")
     query = query.contiguous()
     out = torch.empty_like(query)
     torch.ops.pagellm.paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale,
@@ -201,6 +228,12 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """key, value [T, KVH, D] (rows contiguous) -> their slots of kv_cache [2, KVH, blocks,
     block_size, D], rounded to its dtype."""
     torch.ops.pagellm.write_kv_cache(kv_cache, key, value, slot_mapping)
+
+
+def _require_on_demand_kernels(op: str) -> None:
+    if not on_demand_kernels_available():
+        raise RuntimeError(f"pagellm's CPU kernel {op} could not be built on this machine "
+                           "(see the warning above); the default path does not need it")
 
 
 def use_cpu_kernels(x: torch.Tensor) -> bool:
@@ -243,6 +276,7 @@ def quantized_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x [M, K] @ W^T with W held as per-32- or per-16-group codes (see quantized_linear.cpp)
     -> [M, N].
     `panels_only`: one order of sums at every M, so each row's result is batch-invariant."""
+    _require_on_demand_kernels("quantized_linear")
     x = x.contiguous()
     out = x.new_empty(x.shape[0], out_features)
     empty = scales.new_empty(0)
@@ -312,7 +346,8 @@ def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.T
 def bf16_tiles_available() -> bool:
     """Whether quantized_linear_bf16_tiles was compiled (AMX-BF16) and the OS grants the
     tiles (and PAGELLM_AMX is not 0)."""
-    return (cpu_kernels_available() and hasattr(torch.ops.pagellm, "bf16_tiles_permitted")
+    return (on_demand_kernels_available()
+            and hasattr(torch.ops.pagellm, "bf16_tiles_permitted")
             and torch.ops.pagellm.bf16_tiles_permitted())
 
 

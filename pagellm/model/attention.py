@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import (decode_attention_invariant_available, paged_decode_attention,
-                             paged_decode_attention_invariant, paged_prefill_attention,
-                             prefill_attention_available, use_cpu_kernels, write_kv_cache)
+from pagellm.kernels import (decode_attention_invariant_available, on_demand_kernels_available,
+                             paged_decode_attention, paged_decode_attention_invariant,
+                             paged_prefill_attention, prefill_attention_available, use_cpu_kernels,
+                             write_kv_cache)
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -244,7 +245,8 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float, window: int = 0) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    if max_q == 1 and use_cpu_kernels(kv_cache) and not group.prefill_kernel:
+    if (max_q == 1 and not group.prefill_kernel and use_cpu_kernels(kv_cache)
+            and on_demand_kernels_available()):
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale, window)

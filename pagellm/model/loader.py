@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from pagellm.kernels import bf16_tiles_available
+from pagellm.kernels import bf16_tiles_available, on_demand_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig, arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import model_file_error, reading
@@ -181,6 +181,7 @@ def load_invariant_gguf_model(path: Path, dtype: torch.dtype, device: torch.devi
         logger.info("Prepared weights read from %s", cached)
         arch, net = prepared
         pack_if_supported(net, dtype, device)
+        build_float_kernel_if_used(net)
     else:
         reader, arch = read_gguf(path)
         with reading(path, "its tensors do not load"):
@@ -225,7 +226,16 @@ def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtyp
     pack_if_supported(net, dtype, device)
     if layers and not layers[0].batch_invariant:
         choose_quantized_sizes(layers, max_tokens, dtype)
+    build_float_kernel_if_used(net)
     return net
+
+
+def build_float_kernel_if_used(net: torch.nn.Module) -> None:
+    """The kernel that multiplies codes with float activations is built on demand
+    (pagellm.kernels._ON_DEMAND_UNITS): where a projection uses it, build or load it now,
+    at load, rather than in the first step that needs it."""
+    if any(isinstance(layer, Linear) and layer.may_use_float_kernel() for layer in net.modules()):
+        on_demand_kernels_available()
 
 
 def attach_batch_invariant(net: LlamaForCausalLM,

@@ -322,6 +322,12 @@ class Linear(nn.Linear):
         forms = (self.quantized, self.int8_panels, self.bf16_tiles, self.torch_int4)
         return [form for form in forms if form is not None]
 
+    def may_use_float_kernel(self) -> bool:
+        """Whether some step size multiplies the codes with float activations
+        (quantized_linear, one of the kernels built on demand)."""
+        return (self.quantized is not None and self.bf16_tiles is None
+                and (self.int8_panels is None or self.int8_min_tokens > 1))
+
     def quantized_bytes(self) -> int:
         return sum(_nbytes(form) for form in self.quantized_forms())
 

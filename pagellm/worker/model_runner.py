@@ -19,7 +19,7 @@ import torch
 
 from pagellm.core.kv_layout import KVCacheLayout
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagellm.kernels import cpu_kernels_available
+from pagellm.kernels import cpu_kernels_available, on_demand_kernels_available
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, build_attention_metadata
@@ -318,4 +318,6 @@ def _decode_attention_name(batch_invariant: bool) -> str:
         return "torch ops (no CPU kernel)"
     if batch_invariant:
         return "pagellm's paged CPU kernel, bit-identical to its prefill kernel (batch-invariant)"
+    if not on_demand_kernels_available():  # its kernel is built on demand: now, not at a step
+        return "torch ops (the CPU kernel did not build)"
     return "pagellm's paged CPU kernel"
