@@ -32,8 +32,10 @@ _HERE = Path(__file__).parent
 # namespace of its own (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they
 # can share one. The default serving path's kernels are one library, built at a first start;
 # those only some configurations call are another, built when one first needs them
-# (_ON_DEMAND_UNITS). Units balanced by each file's compile time on a 2-core Xeon with AMX
-# (-O3; net of the headers, 11.8 and 11.5 s for the first library).
+# (_ON_DEMAND_UNITS). The units split each library's compile time about evenly by its files
+# compiled one at a time (-O3, a 2-core Xeon with AMX: 11.8 and 11.5 s net of the headers),
+# yet side by side during a first start the int8 kernel's unit takes longest (31 s against
+# 25 s there): that file alone sets the pace.
 _DEFAULT_UNITS = (
     ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
      "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
