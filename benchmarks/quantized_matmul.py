@@ -5,7 +5,7 @@ style codes (4 bits, a scale and a zero per 32 inputs) for the layers' four proj
 Q8_0 style codes (8 bits, signed) for the head. Each shape is timed from a decode of one
 request (1 row) to a prefill step's 2,048 rows, as the median of 5 batches of calls, and
 printed as GOP/s (2 x M x K x N per call). Needs the int8 kernel (AVX2). With
-`PAGELLM_VNNI=0`, the AVX2 instructions where the CPU has AVX512-VNNI (the same bits).
+`ATEN_CPU_CAPABILITY=avx2`, the AVX2 build on an AVX512 CPU (the same bits).
 
     python benchmarks/quantized_matmul.py
 """

@@ -1,8 +1,9 @@
-"""The int8 kernel: a row's bits do not depend on the rows beside it, and its AVX512-VNNI
-instructions give its AVX2 ones' results: the same integer sums (vpdpbusd adds exactly what
-vpmaddubsw and vpmaddwd add; for 8-bit codes, with the activations moved up by 128 and 128
-times the codes' sum taken off), then the same float32 operations per group, so equal to the
-bit. PAGELLM_VNNI=0 keeps the AVX2 instructions in another process."""
+"""The int8 kernel: a row's bits do not depend on the rows beside it, and the build for this
+CPU's AVX512 (VNNI's instructions, AMX's tiles where it has them) gives the AVX2 build's
+results: the same integer sums (vpdpbusd adds exactly what vpmaddubsw and vpmaddwd add; for
+8-bit codes, with the activations moved up by 128 and 128 times the codes' sum taken off),
+then the same float32 operations per group, so equal to the bit. ATEN_CPU_CAPABILITY=avx2
+makes another process build and run the library an AVX2-only CPU builds."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from test_quantized import needs_int8, random_weight
 
 from pagellm.kernels import quantized_linear_int8
 
-HAS_VNNI = ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
-            and torch.backends.cpu.get_cpu_capability() == "AVX512")
+HAS_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 AVX2_PRODUCTS = """
 import sys, torch
@@ -29,8 +29,7 @@ torch.save(products(), sys.argv[2])
 
 
 def products() -> list[torch.Tensor]:
-    """4-bit codes a byte each and two per byte, and 8-bit codes (their extremes -128 and 127
-    among them); groups of 32, of 32 over 2,048 inputs (chunks), and of 16 (Q6_K's halves);
+    """4-bit codes (two per byte) and 8-bit codes (their extremes -128 and 127 among them); groups of 32, of 32 over 2,048 inputs (chunks), and of 16 (Q6_K's halves);
     float32 and bf16; from 1 row to 385 (tiles whole and partial, blocks of rows) and a
     partial panel of features."""
     outputs = []
@@ -39,8 +38,7 @@ def products() -> list[torch.Tensor]:
         four_bit = random_weight(4, rows, cols, with_zeros, group_size)
         eight_bit = random_weight(8, rows, cols, with_zeros, group_size)
         eight_bit.codes[:, :2], eight_bit.codes[:, 2:4] = -128, 127
-        for panels in (four_bit.int8_panels(nibbles=False), four_bit.int8_panels(nibbles=True),
-                       eight_bit.int8_panels()):
+        for panels in (four_bit.int8_panels(), eight_bit.int8_panels()):
             for dtype in (torch.float32, torch.bfloat16):
                 for tokens in (1, 5, 12, 13, 70, 385):
                     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -50,29 +48,28 @@ def products() -> list[torch.Tensor]:
 
 
 @needs_int8
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
-def test_vnni_gives_the_avx2_instructions_results_exactly(tmp_path: Path) -> None:
+@pytest.mark.skipif(not HAS_AVX512, reason="no AVX512 on this CPU: its build is the AVX2 one")
+def test_the_avx512_build_gives_the_avx2_builds_results_exactly(tmp_path: Path) -> None:
     saved = tmp_path / "avx2.pt"
     subprocess.run([sys.executable, "-c", AVX2_PRODUCTS, str(Path(__file__).parent),
-                    str(saved)], env={**os.environ, "PAGELLM_VNNI": "0"}, check=True)
+                    str(saved)], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}, check=True)
     avx2 = torch.load(saved)
-    vnni = products()
-    assert len(vnni) == len(avx2) == 108
-    for index, (got, expected) in enumerate(zip(vnni, avx2, strict=True)):
+    avx512 = products()
+    assert len(avx512) == len(avx2) == 72
+    for index, (got, expected) in enumerate(zip(avx512, avx2, strict=True)):
         assert torch.equal(got, expected), index
 
 
 @needs_int8
-@pytest.mark.parametrize("bits,group_size,nibbles",
-                         [(4, 32, True), (4, 32, False), (4, 16, True), (8, 32, False)],
-                         ids=["Q4_1-nibbles", "Q4_1-bytes", "halves", "Q8_0"])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (8, 32)],
+                         ids=["Q4_1", "halves", "Q8_0"])
 def test_a_row_of_the_int8_kernel_does_not_depend_on_the_rows_beside_it(
-        bits: int, group_size: int, nibbles: bool) -> None:
+        bits: int, group_size: int) -> None:
     """Tiles compute only their rows that are not padding (a decode of one request: one row
     of four), and a tile's one or two rows split each sum into two integer chains: every row
     must still be the bits it is in any other batch, from 1 row (one partial tile) to 9."""
     weight = random_weight(bits, 70, 192, True, group_size)
-    panels = weight.int8_panels(nibbles=nibbles) if bits == 4 else weight.int8_panels()
+    panels = weight.int8_panels()
     x = torch.randn(9, 192, generator=torch.Generator().manual_seed(9))
     alone = [quantized_linear_int8(x[i:i + 1], panels.codes, panels.scales, panels.zeros, 70)
              for i in range(9)]

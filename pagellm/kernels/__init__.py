@@ -15,6 +15,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,15 +28,16 @@ logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as two translation units side by side, each including its kernel files: torch's
-# headers take about 4-5 s of each unit's compile, paid once per unit instead of once per
+# headers take about 4 s of each unit's compile, paid once per unit instead of once per
 # file, and the two units build at once on two cores. Every file keeps its internals in a
 # namespace of its own (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they
 # can share one. The default serving path's kernels are one library, built at a first start;
 # those only some configurations call are another, built when one first needs them
-# (_ON_DEMAND_UNITS). The units split each library's compile time about evenly by its files
-# compiled one at a time (-O3, a 2-core Xeon with AMX: 11.8 and 11.5 s net of the headers),
-# yet side by side during a first start the int8 kernel's unit takes longest (31 s against
-# 25 s there): that file alone sets the pace.
+# (_ON_DEMAND_UNITS). The units split the default library's compile about evenly: 11.3 and
+# 11.9 s each alone (-O3, a 2-core Xeon with AMX), 15 s side by side beside the server's own
+# start. Each template instantiation costs a first start seconds: the kernels instantiate
+# only what this CPU runs (the int8 kernel's instructions of one instruction set) and what
+# changes their arithmetic (attention computes float32 queries; the wrappers widen others).
 _DEFAULT_UNITS = (
     ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
      "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
@@ -44,7 +46,7 @@ _DEFAULT_UNITS = (
 )
 # The decode attention of --no-batch-invariant (paged_attention), the quantized matmul with
 # float activations (--no-gguf-int8-activations, --dtype float32) and AMX's bf16 tiles (bf16
-# models): 12 of a first start's 45 s of compiler time, on no default path.
+# models): about 12 s of compiler time that no default path needs.
 _ON_DEMAND_UNITS = (
     ("paged_attention.cpp",),
     ("quantized_linear.cpp", "quantized_linear_bf16_amx.cpp"),
@@ -103,13 +105,30 @@ def _build_library(prefix: str, units: tuple[tuple[str, ...], ...]) -> bool:
                     load(name=name, sources=_write_units(folder, units),
                          extra_include_paths=[str(_HERE)], build_directory=str(folder),
                          extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
-                                       *isa],
+                                       *_gcc_heap_flags(), *isa],
                          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             return True
         except (OSError, RuntimeError, ImportError) as error:  # no compiler or ninja, build error
             logger.warning("CPU kernels could not be built with [%s]: %s", " ".join(isa),
                            str(error).splitlines()[0] if str(error) else type(error).__name__)
     return False
+
+
+@functools.cache
+def _gcc_heap_flags() -> list[str]:
+    """GCC collects its garbage whenever its heap has grown by a fraction since the last
+    time; a unit of these kernels peaks near 1 GB, and those collections took 0.5-0.9 s of
+    each unit's 12 s on a 2-core Xeon. Let it grow instead (about 150 MB more per unit).
+    Only for GCC: clang takes no such parameters."""
+    compiler = os.environ.get("CXX", "c++")  # the compiler torch's build runs
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if "Free Software Foundation" not in version or "clang" in version.lower():
+        return []
+    return ["--param", "ggc-min-expand=10000", "--param", "ggc-min-heapsize=4194304"]
 
 
 def build_directory(name: str) -> Path:
@@ -300,11 +319,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     """Causal attention of each request's chunk (query_lens[n] rows of query [T, H, D] from
     query_starts[n], at the last positions of its seq_lens[n]) over its cached keys (with a
     `window`, each query's last `window` keys only) -> [num_queries, H * D], the chunks one
-    after another."""
-    out = query.new_empty(num_queries, query.shape[1] * query.shape[2])
-    torch.ops.pagellm.paged_prefill_attention(out, query, kv_cache, block_tables, seq_lens,
-                                              query_starts, query_lens, scale, window)
-    return out
+    after another, in query's dtype."""
+    out = query.new_empty(num_queries, query.shape[1] * query.shape[2], dtype=torch.float32)
+    torch.ops.pagellm.paged_prefill_attention(out, query.float(), kv_cache, block_tables,
+                                              seq_lens, query_starts, query_lens, scale, window)
+    return out.to(query.dtype)
 
 
 @functools.cache
@@ -321,10 +340,10 @@ def paged_decode_attention_invariant(query: torch.Tensor, kv_cache: torch.Tensor
     to paged_prefill_attention's rows for the same tokens (the batch-invariant engine's
     decode-only steps), and faster: its lanes hold keys or dims, not the few query heads of a
     kv head."""
-    out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
-    torch.ops.pagellm.paged_decode_attention_invariant(out, query, kv_cache, block_tables,
-                                                       seq_lens, scale, window)
-    return out
+    out = query.new_empty(query.shape[0], query.shape[1] * query.shape[2], dtype=torch.float32)
+    torch.ops.pagellm.paged_decode_attention_invariant(out, query.float(), kv_cache,
+                                                       block_tables, seq_lens, scale, window)
+    return out.to(query.dtype)
 
 
 @functools.cache

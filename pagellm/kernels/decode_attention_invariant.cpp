@@ -17,7 +17,8 @@
 //   - output: DIMS along the lanes: ot = ot * correction, then fma(value[j][i], p[j], acc)
 //     over the block's keys j ascending, p[j] broadcast.
 // Blocks are folded one at a time in ascending order, from the first that the window reaches,
-// as the prefill kernel folds them. Everything computes in float32.
+// as the prefill kernel folds them. Everything computes in float32; queries and output are
+// float32 too, as the prefill kernel's (the wrapper widens and rounds other dtypes).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -38,8 +39,6 @@ namespace pagellm::kernels::decode_attention_invariant {
 namespace {
 
 using pagellm::exp_nonpositive;
-using pagellm::load;
-using pagellm::store;
 using pagellm::widen;
 
 using namespace pagellm::float_vectors;
@@ -258,8 +257,8 @@ void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64
 }
 
 // One (request, kv head): its query heads' attention at position seq_len - 1.
-template <typename T, typename C>
-void attend_item(T* out, const T* query, const BlockStream<C>& keys,
+template <typename C>
+void attend_item(float* out, const float* query, const BlockStream<C>& keys,
                  const BlockStream<C>& values, int64_t seq_len, const Shape& s, float scale,
                  int64_t window, Scratch& w) {
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
@@ -267,7 +266,7 @@ void attend_item(T* out, const T* query, const BlockStream<C>& keys,
   const int64_t per_chunk = std::max<int64_t>(1, kChunkKeys / padded);
   w.reset(group, (group + kWidth - 1) / kWidth * kWidth, d, per_chunk * padded, bs);
   for (int64_t r = 0; r < group; ++r) {
-    for (int64_t i = 0; i < d; ++i) w.q[r * d + i] = load(query + r * d, i) * scale;
+    for (int64_t i = 0; i < d; ++i) w.q[r * d + i] = query[r * d + i] * scale;
   }
   const int64_t position = seq_len - 1, num_blocks = (seq_len + bs - 1) / bs;
   // as the prefill kernel: the first key the query sees, and the first unmasked for all
@@ -288,11 +287,11 @@ void attend_item(T* out, const T* query, const BlockStream<C>& keys,
   }
   for (int64_t r = 0; r < group; ++r) {
     const float inverse = 1.f / w.sum[r];
-    for (int64_t i = 0; i < d; ++i) store(out + r * d, i, w.ot[r * d + i] * inverse);
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = w.ot[r * d + i] * inverse;
   }
 }
 
-template <typename T, typename C>
+template <typename C>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s, float scale,
          int64_t window) {
@@ -302,8 +301,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const C* cache = kv_cache.const_data_ptr<C>();
-  const T* q = query.const_data_ptr<T>();
-  T* o = out.mutable_data_ptr<T>();
+  const float* q = query.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
   // an item's first block (the window's) and past its last
   auto first_block = [&](int64_t n) {
     return window > 0 ? std::max<int64_t>(0, lens[n] - window) / s.block_size : 0;
@@ -347,18 +346,16 @@ void paged_decode_attention_invariant(at::Tensor out, const at::Tensor& query,
                   kv_cache.is_contiguous() && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
               op, ": unexpected strides");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": query and output dtypes differ");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, op,
+              ": query and output must be float32");
   const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
                 kv_cache.size(3), block_tables.size(1), query.stride(0)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
                   s.head_dim % 16 == 0 && seq_lens.size(0) == query.size(0),
               op, ": head shapes do not match");
   const float f = static_cast<float>(scale);
-  pagellm::dispatch_dtype(query, op, [&](auto query_tag) {
-    pagellm::dispatch_cache_dtype(kv_cache, op, [&](auto cache_tag) {
-      run<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens,
-                                                    s, f, window);
-    });
+  pagellm::dispatch_cache_dtype(kv_cache, op, [&](auto cache_tag) {
+    run<decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens, s, f, window);
   });
 }
 

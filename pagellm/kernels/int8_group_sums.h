@@ -1,15 +1,15 @@
 // How the int8 kernel (quantized_linear_int8.cpp) forms a group's integer sums for a tile of
-// rows: the forms its panels store codes in (a byte each, or two per byte), and two policies,
-// the AVX2 instructions (NarrowSums) and AVX512-VNNI's (WideSums), equal to the bit.
+// rows: the forms its panels store codes in (8-bit codes a byte each, 4-bit ones two per
+// byte), and two policies, the AVX2 instructions (NarrowSums) and AVX512-VNNI's (WideSums),
+// equal to the bit. A build has one of them: WideSums where the compiler targets AVX512-VNNI,
+// NarrowSums elsewhere; each instantiation is seconds of a first start's compile.
 #pragma once
 
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <type_traits>
 
 #ifdef __AVX2__
@@ -20,11 +20,10 @@ namespace pagellm::quantized::int8 {
 constexpr int kNarrowTileRows = 4;
 
 // How a panel stores the codes of 4 consecutive inputs of its 16 features, and how they come
-// into the two vectors vpmaddubsw multiplies (features 0-7, then 8-15): a byte per code
-// (uint8: 4-bit, int8: 8-bit) ...
-template <typename Code>
+// into the two vectors vpmaddubsw multiplies (features 0-7, then 8-15): 8-bit codes a byte
+// each ...
 struct CodeBytes {
-  using Byte = Code;
+  using Byte = int8_t;
   static constexpr int64_t kBytes = 64;  // per 4 inputs of the 16 features
   static void load(const Byte* codes, __m256i& w0, __m256i& w1) {
     w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
@@ -161,14 +160,6 @@ struct NarrowSums {
 };
 
 #ifdef __AVX512VNNI__
-inline bool vnni_permitted() {
-  static const bool permitted = [] {
-    const char* setting = std::getenv("PAGELLM_VNNI");
-    return setting == nullptr || std::string_view(setting) != "0";
-  }();
-  return permitted;
-}
-
 // AVX512-VNNI: a row's sums for all 16 features in one int32 vector, then the float32
 // operations of add_group, lane for lane. vpdpbusd multiplies unsigned bytes with signed
 // ones: 4-bit codes are the unsigned operand; with 8-bit codes (signed) the activations

@@ -20,7 +20,10 @@
 // row sees only positions pos - W + 1 .. pos: blocks before the item's first row's window
 // are never read, and keys before a row's window are masked like keys past its position
 // (a block that holds none of a row's keys leaves its sums at exactly 0, so a row's result
-// still does not depend on the rows that share its item). Everything computes in float32.
+// still does not depend on the rows that share its item). Everything computes in float32;
+// queries and output are float32 too (the wrapper widens other dtypes' queries and rounds the
+// output back, the same bits as rounding here: compiled once per query dtype, this file took
+// a third longer to build at a first start).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -40,8 +43,6 @@ namespace pagellm::kernels::prefill_attention {
 namespace {
 
 using pagellm::exp_nonpositive;
-using pagellm::load;
-using pagellm::store;
 using pagellm::widen;
 
 // The register tiles' vectors (float_vectors.h): two per key or dim of a tile, 8
@@ -162,8 +163,8 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
 
 // An item of up to kWidth rows (a decode's query heads, a short chunk) takes tiles one
 // vector wide, larger ones two.
-template <typename T, typename C, int kVecs>
-void attend_item(T* out, const T* query, const C* keys, const C* values, const int64_t* table,
+template <typename C, int kVecs>
+void attend_item(float* out, const float* query, const C* keys, const C* values, const int64_t* table,
                  int64_t seq_len, int64_t query_len, int64_t first, const Shape& s, float scale,
                  int64_t window, Scratch& w) {
   constexpr int64_t kLanes = kVecs * kWidth;
@@ -175,8 +176,8 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
   w.resize(rows, d, padded);
   for (int64_t r = 0; r < rows; ++r) {  // padding rows repeat the last token, then are dropped
     const int64_t t = std::min(r / group, tokens - 1), g = r % group;
-    const T* q = query + (first + t) * s.query_row_stride + g * d;
-    for (int64_t i = 0; i < d; ++i) w.qt[i * rows + r] = load(q, i) * scale;
+    const float* q = query + (first + t) * s.query_row_stride + g * d;
+    for (int64_t i = 0; i < d; ++i) w.qt[i * rows + r] = q[i] * scale;
     w.position[r] = static_cast<float>(first_position + t);
   }
   const int64_t visible = first_position + tokens;  // keys the item's last token sees
@@ -205,12 +206,12 @@ void attend_item(T* out, const T* query, const C* keys, const C* values, const i
   }
   for (int64_t r = 0; r < tokens * group; ++r) {
     const float inverse = 1.f / w.sum[r];
-    T* o = out + (first + r / group) * s.num_heads * d + (r % group) * d;
-    for (int64_t i = 0; i < d; ++i) store(o, i, w.ot[i * rows + r] * inverse);
+    float* o = out + (first + r / group) * s.num_heads * d + (r % group) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = w.ot[i * rows + r] * inverse;
   }
 }
 
-template <typename T, typename C>
+template <typename C>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens,
          const at::Tensor& query_starts, const at::Tensor& query_lens, const Shape& s,
@@ -235,8 +236,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
   }
   const int64_t chunks = static_cast<int64_t>(item_request.size());
   const C* cache = kv_cache.const_data_ptr<C>();
-  const T* q = query.const_data_ptr<T>();
-  T* o = out.mutable_data_ptr<T>();
+  const float* q = query.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   at::parallel_for(0, chunks * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -244,7 +245,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
       const int64_t chunk = item / s.num_kv_heads, h = item % s.num_kv_heads;
       const int64_t n = item_request[chunk];
       const int64_t rows = std::min(kItemTokens, q_lens[n] - item_first[chunk]) * group;
-      auto attend = rows <= kWidth ? attend_item<T, C, 1> : attend_item<T, C, 2>;
+      auto attend = rows <= kWidth ? attend_item<C, 1> : attend_item<C, 2>;
       attend(o + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
              q + starts[n] * s.query_row_stride + h * group * s.head_dim,
              cache + h * head_stride, cache + layer_stride + h * head_stride,
@@ -269,19 +270,17 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                   seq_lens.is_contiguous() && query_starts.is_contiguous() &&
                   query_lens.is_contiguous(),
               "paged_prefill_attention: unexpected strides");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(),
-              "paged_prefill_attention: query and output dtypes differ");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: query and output must be float32");
   const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
                 kv_cache.size(3), block_tables.size(1), query.stride(0)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
                   s.head_dim % kTile == 0,
               "paged_prefill_attention: head shapes do not match");
   const float f = static_cast<float>(scale);
-  pagellm::dispatch_dtype(query, "paged_prefill_attention", [&](auto query_tag) {
-    pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
-      run<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens,
-                                                    query_starts, query_lens, s, f, window);
-    });
+  pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
+    run<decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens, query_starts,
+                             query_lens, s, f, window);
   });
 }
 

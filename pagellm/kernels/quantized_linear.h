@@ -20,10 +20,10 @@ inline int64_t input_chunk(int64_t k) {
   return (k / kGroup + chunks - 1) / chunks * kGroup;
 }
 
-// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for groups of 32 and
-// `nibbles` or not: writes y and returns true, or returns false where the tiles are not
-// permitted (amx_tiles.h) or x has too few rows for them to pay (kTileMinRows there).
+// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for groups of 32: writes y
+// and returns true, or returns false where the tiles are not permitted (amx_tiles.h) or x
+// has too few rows for them to pay (kTileMinRows there).
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros, bool nibbles);
+                               const at::Tensor& scales, const at::Tensor& zeros);
 
 }  // namespace pagellm::quantized

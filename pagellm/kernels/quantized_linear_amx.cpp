@@ -14,8 +14,8 @@
 // where it does not, the CPU has no AMX, or PAGELLM_AMX=0, the AVX2 kernel runs instead.
 //
 // The tiles load a code per byte, and the panels hold 4-bit codes two per byte (half the
-// bytes for a decode step to read): each thread unpacks a panel once into a buffer of its
-// own, then multiplies every block of 16 rows with it. The scales and zeros may be float16
+// bytes for a decode step to read): each thread unpacks such a panel once into a buffer of
+// its own, then multiplies every block of 16 rows with it. The scales and zeros may be float16
 // (exact, widened as they are loaded), as for the AVX2 kernel.
 //
 // A tile multiplies 16 rows whatever the number of live ones, and the scaling after it
@@ -126,24 +126,25 @@ inline void store_rows(const __m512 (&acc)[kRows], int64_t rows, int64_t width, 
   }
 }
 
+// 8-bit codes (int8 panels) as stored; 4-bit ones (uint8) two per byte, unpacked.
 template <typename T, typename Code, typename S>
-void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
+void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_codes,
          const S* panel_scales, const S* panel_zeros) {
   constexpr bool kSigned = std::is_same_v<Code, int8_t>;
   const int64_t groups = k / kGroup, panels = (n + kPanel - 1) / kPanel;
   const int64_t padded = (m + kRows - 1) / kRows * kRows;
-  const int64_t panel_bytes = nibbles ? kPanel * k / 2 : kPanel * k;
+  const int64_t panel_bytes = kSigned ? kPanel * k : kPanel * k / 2;
   const Int8Rows rows = quantize_rows(x, m, padded, k, [k](int64_t row, int64_t group) {
     return GroupPlace{row * k + group * kGroup, 4, row * (k / kGroup) + group};
   });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) int32_t sums[2][kRows * 16];
-    std::vector<Code> unpacked(nibbles ? kPanel * k : 0);
+    std::vector<Code> unpacked(kSigned ? 0 : kPanel * k);
     for (int64_t p = begin; p < end; ++p) {
       const Code* codes = panel_codes + p * panel_bytes;
-      if (nibbles) {
-        if constexpr (!kSigned) unpack_nibbles(codes, groups, unpacked.data());
+      if constexpr (!kSigned) {
+        unpack_nibbles(codes, groups, unpacked.data());
         codes = unpacked.data();
       }
       const S* scales = panel_scales + p * groups * kPanel;
@@ -184,10 +185,10 @@ void run(bool nibbles, T* y, const T* x, int64_t m, int64_t k, int64_t n, const 
 }  // namespace int8_tiles
 
 bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
+                               const at::Tensor& scales, const at::Tensor& zeros) {
   if (x.size(0) < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
   dispatch_int8_panels(y, x, panels, scales, zeros,
-                       [nibbles](auto... args) { int8_tiles::run(nibbles, args...); });
+                       [](auto... args) { int8_tiles::run(args...); });
   return true;
 }
 
@@ -198,7 +199,7 @@ bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Ten
 namespace pagellm::quantized {
 
 bool quantized_linear_int8_amx(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, bool) {
+                               const at::Tensor&, const at::Tensor&) {
   return false;
 }
 

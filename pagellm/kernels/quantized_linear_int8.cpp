@@ -27,19 +27,20 @@
 // (the panel's 64 bytes are one vector): it adds the products of 4 unsigned codes with 4
 // signed activations to an int32 lane, the very sums vpmaddubsw and vpmaddwd give here (4-bit
 // products never saturate int16), so the results are equal to the bit. 8-bit codes take it
-// too, with the activations as its unsigned operand (see WideSums). PAGELLM_VNNI=0 keeps the
-// AVX2 instructions (to compare them).
+// too, with the activations as its unsigned operand (see WideSums). A build for AVX512-VNNI
+// holds only those instructions; the AVX2 build (ATEN_CPU_CAPABILITY=avx2 builds it on any
+// CPU) is the one to compare them with.
 //
 // 4-bit codes are stored two per byte: a decode step reads every weight once for a row or a
 // few, so its time is the weights' bytes, and a byte per code read twice llama.cpp's. The
 // second vector (features 8-15) sits in the high nibbles of the first's bytes; a mask and a
-// shift restore both vectors exactly, so the sums and results are those of the bytes. (The
-// AMX kernel unpacks a panel to a byte per code before its tiles load it.)
+// shift restore both vectors exactly. (The AMX kernel unpacks a panel to a byte per code
+// before its tiles load it.)
 //
-// panels: [P, K / 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit codes), panels[p, g, j,
-// f, b] = code of feature 16p + f for input 32g + 4j + b (0 past N); or, 4-bit codes two per
-// byte, [P, K / 32, 8, 32] uint8, byte i of (p, g, j) = panels[p, g, j, i / 4, i % 4] |
-// panels[p, g, j, 8 + i / 4, i % 4] << 4. scales, zeros: [P, K / G, 16] float32, a group's
+// panels: 8-bit codes [P, K / 32, 8, 16, 4] int8, panels[p, g, j, f, b] = code of feature
+// 16p + f for input 32g + 4j + b (0 past N); 4-bit codes two per byte, [P, K / 32, 8, 32]
+// uint8, byte i of (p, g, j) = codes[p, g, j, i / 4, i % 4] | codes[p, g, j, 8 + i / 4, i % 4]
+// << 4 in that layout. scales, zeros: [P, K / G, 16] float32, a group's
 // scale and zero - offset * scale (0 past N), per group of G = 32 inputs, or 16 (Q6_K): each
 // half of the 32 then sums and scales on its own, with its half of the activations' sum.
 // Both may be float16 instead, where every value is exact there.
@@ -197,31 +198,25 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n,
                                        panel_zeros, y, &store_panel<T>);
 }
 
-// The VNNI instructions where they are compiled and permitted.
-template <int kGroupSize, typename Codes, typename T, typename S>
-void run_codes(T* y, const T* x, int64_t m, int64_t k, int64_t n,
-               const typename Codes::Byte* codes, const S* scales, const S* zeros) {
+// The build's instructions: AVX512-VNNI's where it targets them, else AVX2's.
 #ifdef __AVX512VNNI__
-  if (vnni_permitted()) {
-    run<kGroupSize, WideSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
-    return;
-  }
+template <typename Codes>
+using SumsOf = WideSums<Codes>;
+#else
+template <typename Codes>
+using SumsOf = NarrowSums<Codes>;
 #endif
-  run<kGroupSize, NarrowSums<Codes>>(y, x, m, k, n, codes, scales, zeros);
-}
 
-// Calls run<kGroupSize> with the panels' codes: bytes, or `nibbles` (4-bit codes two per
-// byte).
+// Calls run<kGroupSize> with the panels' codes: 8-bit ones (int8), or 4-bit ones two per
+// byte (uint8).
 template <int kGroupSize>
 void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-              const at::Tensor& scales, const at::Tensor& zeros, bool nibbles) {
-  auto run_on = [nibbles](auto* out, const auto* in, int64_t m, int64_t k, int64_t n,
-                          const auto* codes, const auto* s, const auto* z) {
+              const at::Tensor& scales, const at::Tensor& zeros) {
+  auto run_on = [](auto* out, const auto* in, int64_t m, int64_t k, int64_t n,
+                   const auto* codes, const auto* s, const auto* z) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
-    if constexpr (std::is_same_v<Code, uint8_t>) {
-      if (nibbles) return run_codes<kGroupSize, CodeNibbles>(out, in, m, k, n, codes, s, z);
-    }
-    run_codes<kGroupSize, CodeBytes<Code>>(out, in, m, k, n, codes, s, z);
+    using Codes = std::conditional_t<std::is_same_v<Code, uint8_t>, CodeNibbles, CodeBytes>;
+    run<kGroupSize, SumsOf<Codes>>(out, in, m, k, n, codes, s, z);
   };
   dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
 }
@@ -234,13 +229,13 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
               "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
   const int64_t k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
   const bool signed_codes = panels.scalar_type() == at::kChar;
-  const bool nibbles = !signed_codes && 2 * panels.numel() == count * kPanel * k;
   TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() &&
-                  (signed_codes || panels.scalar_type() == at::kByte) &&
-                  (nibbles || panels.numel() == count * kPanel * k),
-              "quantized_linear_int8: panels must be uint8 (4-bit codes) or int8 (8-bit codes) "
-              "[ceil(N / 16), K / 32, 8, 16, 4], or uint8 [ceil(N / 16), K / 32, 8, 32] (4-bit "
-              "codes two per byte)");
+                  (signed_codes ? panels.numel() == count * kPanel * k
+                                : panels.scalar_type() == at::kByte &&
+                                      2 * panels.numel() == count * kPanel * k),
+              "quantized_linear_int8: panels must be int8 [ceil(N / 16), K / 32, 8, 16, 4] "
+              "(8-bit codes) or uint8 [ceil(N / 16), K / 32, 8, 32] (4-bit codes two per "
+              "byte)");
   const int64_t group = scales.numel() == count * (k / kGroup) * kPanel ? kGroup : kHalfGroup;
   for (const at::Tensor* t : {&scales, &zeros}) {
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == scales.scalar_type() &&
@@ -250,11 +245,11 @@ void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& 
                 "alike) [ceil(N / 16), K / 32 or K / 16, 16]");
   }
   if (group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
-    multiply<kHalfGroup>(y, x, panels, scales, zeros, nibbles);
+    multiply<kHalfGroup>(y, x, panels, scales, zeros);
     return;
   }
-  if (quantized_linear_int8_amx(y, x, panels, scales, zeros, nibbles)) return;
-  multiply<kGroup>(y, x, panels, scales, zeros, nibbles);
+  if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
+  multiply<kGroup>(y, x, panels, scales, zeros);
 }
 
 }  // namespace

@@ -140,13 +140,13 @@ class GroupQuantWeight:
         halves = self.codes.reshape(rows, cols // CODE_BLOCK, 2, CODE_BLOCK // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
-    def int8_panels(self, nibbles: bool = True) -> Int8Panels:
-        """The codes as the int8 kernel reads them (see Int8Panels): 4-bit codes two per byte
-        if `nibbles`, and the scales and zeros in float16 where that is exact."""
+    def int8_panels(self) -> Int8Panels:
+        """The codes as the int8 kernel reads them (see Int8Panels), the scales and zeros in
+        float16 where that is exact."""
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
         codes = codes.permute(0, 2, 3, 1, 4)  # [P, in // 32, 8, 16, 4]
-        if self.bits == 4 and nibbles:
+        if self.bits == 4:
             halves = codes.reshape(*codes.shape[:3], 2, -1)  # features 0-7, then 8-15
             codes = halves[..., 0, :] | (halves[..., 1, :] << 4)
         factors = self._panel_factors()
@@ -200,13 +200,12 @@ class Int8Panels:
     row's scale and zero - offset * scale, so that w = code * scale + (zero - offset *
     scale), per group of G = 32 or 16 inputs (the weight's group size).
 
-    4-bit codes may be two per byte (GroupQuantWeight.int8_panels' `nibbles`): then
-    codes[p, g, j, i] = code[p, g, j, i // 4, i % 4] | code[p, g, j, 8 + i // 4, i % 4] << 4,
-    features 8-15 in the high nibbles of features 0-7's bytes. The kernel tells the two
-    apart by the number of bytes."""
+    4-bit codes are two per byte: codes[p, g, j, i] = code[p, g, j, i // 4, i % 4] |
+    code[p, g, j, 8 + i // 4, i % 4] << 4, features 8-15 in the high nibbles of features
+    0-7's bytes (half the bytes for a decode step to read)."""
 
-    # [P, in // 32, 8, 16, 4] uint8 (4-bit codes) or int8 (8-bit), or [P, in // 32, 8, 32]
-    # uint8 (4-bit codes two per byte)
+    # [P, in // 32, 8, 16, 4] int8 (8-bit codes), or [P, in // 32, 8, 32] uint8 (4-bit codes
+    # two per byte)
     codes: torch.Tensor
     scales: torch.Tensor  # [P, in // G, 16] float32, or float16 where exact
     zeros: torch.Tensor  # [P, in // G, 16] as the scales
