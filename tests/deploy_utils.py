@@ -3,9 +3,11 @@ by Helm, and the validator of deploy/validate pointed at the shared KServe CRD s
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,16 @@ def validator() -> Validator:
         pytest.skip(f"KServe CRD schemas absent: {DEFAULT_KSERVE_SCHEMAS} (CI lays out "
                     "../shared beside the repository)")
     return Validator()
+
+
+def assert_rejected(documents: list[dict], breaker: Callable[[list[dict]], None],
+                    expected: str) -> None:
+    """The validator rejects a copy of `documents` that `breaker` edits in place with an error
+    containing `expected`."""
+    broken = copy.deepcopy(documents)
+    breaker(broken)
+    errors = validator().errors(broken)
+    assert any(expected in error for error in errors), errors
 
 
 def load(path: Path) -> list[dict]:
