@@ -303,8 +303,9 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
 def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """A first start compiles the default path's kernels only; the plain paged decode
-    attention, the float-activation matmul and AMX's bf16 tiles compile when a configuration
-    first asks for them, as a second library."""
+    attention, the float-activation matmul, AMX's bf16 tiles and the cache eviction of the
+    quantized forms' timing compile when a configuration first asks for them, as a second
+    library."""
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
@@ -320,7 +321,8 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
     default, on_demand = ([Path(unit).read_text() for unit in units] for units in built)
     assert not any(name in unit for unit in default
                    for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
-                                '"quantized_linear_bf16_amx.cpp"'))
+                                '"quantized_linear_bf16_amx.cpp"', '"cache_eviction.cpp"'))
     assert on_demand == ['#include "paged_attention.cpp"\n',
-                         '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n']
+                         '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n'
+                         '#include "cache_eviction.cpp"\n']
     assert Path(built[1][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")

@@ -40,16 +40,18 @@ _HERE = Path(__file__).parent
 # changes their arithmetic (attention computes float32 queries; the wrappers widen others).
 _DEFAULT_UNITS = (
     ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
-     "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "cache_eviction.cpp",
-     "token_mask.cpp", "decoder_layer.cpp"),
+     "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "token_mask.cpp",
+     "decoder_layer.cpp"),
     ("quantized_linear_int8.cpp", "sampling_noise.cpp", "quantized_linear_amx.cpp"),
 )
 # The decode attention of --no-batch-invariant (paged_attention), the quantized matmul with
-# float activations (--no-gguf-int8-activations, --dtype float32) and AMX's bf16 tiles (bf16
-# models): about 12 s of compiler time that no default path needs.
+# float activations (--no-gguf-int8-activations, --dtype float32), AMX's bf16 tiles (bf16
+# models) and the cache eviction that timing the quantized forms needs (a projection that
+# measures its forms, off the batch-invariant path): about 13 s of compiler time that no
+# default path needs.
 _ON_DEMAND_UNITS = (
     ("paged_attention.cpp",),
-    ("quantized_linear.cpp", "quantized_linear_bf16_amx.cpp"),
+    ("quantized_linear.cpp", "quantized_linear_bf16_amx.cpp", "cache_eviction.cpp"),
 )
 _SOURCES = [_HERE / name for unit in (*_DEFAULT_UNITS, *_ON_DEMAND_UNITS) for name in unit]
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
@@ -385,7 +387,7 @@ def quantized_linear_bf16_tiles(x: torch.Tensor, panels: torch.Tensor, scales: t
 def evict_from_cache(tensors: Iterable[torch.Tensor]) -> None:
     """Flush these CPU tensors' bytes (oneDNN's packed ones too) from the caches (see
     cache_eviction.cpp); nothing where the op was not built."""
-    if not (cpu_kernels_available() and hasattr(torch.ops.pagellm, "evict_from_cache")):
+    if not (on_demand_kernels_available() and hasattr(torch.ops.pagellm, "evict_from_cache")):
         return
     starts, sizes = [], []
     for t in tensors:
