@@ -218,6 +218,7 @@ def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
+    from pagellm.kernels import build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
@@ -229,7 +230,7 @@ def test_a_compiler_without_amx_flags_still_builds_the_rest(monkeypatch: pytest.
             raise RuntimeError("c++: error: unrecognized command-line option '-mamx-tile'")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
-    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2", *kernels._AMX_FLAGS])
+    monkeypatch.setattr(build, "_isa_flags", lambda capability: ["-mavx2", *build._AMX_FLAGS])
     assert kernels.cpu_kernels_available.__wrapped__()
     assert len(builds) == 2
     assert builds[0][-4:] == ["-mavx2", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
@@ -243,9 +244,10 @@ def test_a_build_killed_half_way_does_not_block_the_next_start(monkeypatch: pyte
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
+    from pagellm.kernels import build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
+    monkeypatch.setattr(build, "_isa_flags", lambda capability: ["-mavx2"])
     built_in: list[Path] = []
 
     def load(**kwargs) -> None:
@@ -255,7 +257,8 @@ def test_a_build_killed_half_way_does_not_block_the_next_start(monkeypatch: pyte
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    folder = tmp_path / f"pagellm_cpu_kernels_{capability}_{kernels._build_digest(['-mavx2'])}_0"
+    digest = build._build_digest(["-mavx2"], build.DEFAULT_UNITS)
+    folder = tmp_path / f"pagellm_cpu_kernels_{capability}_{digest}_0"
     folder.mkdir()
     (folder / "lock").touch()
     assert kernels.cpu_kernels_available.__wrapped__()
@@ -285,14 +288,16 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
+    from pagellm.kernels import build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
+    monkeypatch.setattr(build, "_isa_flags", lambda capability: ["-mavx2"])
     built: list[list[str]] = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load",
                         lambda **kwargs: built.append(kwargs["sources"]))
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    name = f"pagellm_cpu_kernels_{capability}_{kernels._build_digest(['-mavx2'])}_0"
+    digest = build._build_digest(["-mavx2"], build.DEFAULT_UNITS)
+    name = f"pagellm_cpu_kernels_{capability}_{digest}_0"
     (tmp_path / name).mkdir()
     (tmp_path / name / f"{name}.so").write_bytes(b"half a library")
     assert kernels.cpu_kernels_available.__wrapped__()
@@ -303,26 +308,48 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
 def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """A first start compiles the default path's kernels only; the plain paged decode
-    attention, the float-activation matmul, AMX's bf16 tiles and the cache eviction of the
-    quantized forms' timing compile when a configuration first asks for them, as a second
-    library."""
+    attention, the attention and cache writes of fp16 and fp8 caches, the float-activation
+    matmul, AMX's bf16 tiles and the cache eviction of the quantized forms' timing compile
+    when a configuration first asks for them, as a second library."""
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
+    from pagellm.kernels import build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_isa_flags", lambda capability: ["-mavx2"])
-    built: list[list[str]] = []
-    monkeypatch.setattr(torch.utils.cpp_extension, "load",
-                        lambda **kwargs: built.append(kwargs["sources"]))
+    monkeypatch.setattr(build, "_isa_flags", lambda capability: ["-mavx2"])
+    built: list[dict] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: built.append(kwargs))
     assert kernels.cpu_kernels_available.__wrapped__()
     monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: True)
     assert kernels.on_demand_kernels_available.__wrapped__()
-    default, on_demand = ([Path(unit).read_text() for unit in units] for units in built)
+    default, on_demand = ([Path(unit).read_text() for unit in build["sources"]]
+                          for build in built)
     assert not any(name in unit for unit in default
                    for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
                                 '"quantized_linear_bf16_amx.cpp"', '"cache_eviction.cpp"'))
-    assert on_demand == ['#include "paged_attention.cpp"\n',
+    assert on_demand == ['#include "paged_attention.cpp"\n#include "prefill_attention.cpp"\n',
+                         '#include "decode_attention_invariant.cpp"\n#include "write_kv.cpp"\n'
                          '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n'
                          '#include "cache_eviction.cpp"\n']
-    assert Path(built[1][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")
+    assert "-DPAGELLM_OTHER_CACHE_DTYPES" not in built[0]["extra_cflags"]
+    assert "-DPAGELLM_OTHER_CACHE_DTYPES" in built[1]["extra_cflags"]
+    assert Path(built[1]["sources"][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels do not build here")
+def test_each_library_writes_its_own_cache_dtypes_and_names_the_other_for_the_rest():
+    """The default library holds float32 and bf16 caches, the on-demand one fp16 and fp8 (the
+    wrappers choose; test_kv_cache_write_matches_torch_exactly covers every dtype through
+    them); called directly with the other's, each op says where the dtype lives."""
+    import pagellm.kernels as kernels
+
+    assert kernels.on_demand_kernels_available()
+    rows, slots = torch.randn(3, 2, 16), torch.tensor([0, 1, 2])
+    fp16_cache = torch.zeros(2, 2, 1, 4, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="needs the on-demand library"):
+        torch.ops.pagellm.write_kv_cache(fp16_cache, rows, rows, slots)
+    bf16_cache = torch.zeros(2, 2, 1, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="belongs to the default library"):
+        torch.ops.pagellm.write_kv_cache_other_caches(bf16_cache, rows, rows, slots)
+    assert not fp16_cache.any() and not bf16_cache.any()

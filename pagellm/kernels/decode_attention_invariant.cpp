@@ -364,12 +364,13 @@ void paged_decode_attention_invariant(at::Tensor out, const at::Tensor& query,
 
 // Registered only where it is compiled: Python checks for the op.
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("paged_decode_attention_invariant(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+  m.def(PAGELLM_CACHE_OP("paged_decode_attention_invariant")
+        "(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("paged_decode_attention_invariant", &pagellm::kernels::decode_attention_invariant::paged_decode_attention_invariant);
+  m.impl(PAGELLM_CACHE_OP("paged_decode_attention_invariant"), &pagellm::kernels::decode_attention_invariant::paged_decode_attention_invariant);
 }
 
 #endif

@@ -359,7 +359,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "paged_decode_attention: unsupported dtype ", query.scalar_type());
   const float f = static_cast<float>(scale);
   auto with_query = [&](auto query_tag) {
-    pagellm::dispatch_cache_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
+    pagellm::dispatch_any_cache_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
       dispatch_dim<decltype(query_tag), decltype(cache_tag)>(out, query, kv_cache, block_tables,
                                                              seq_lens, s, f, window);
     });

@@ -289,13 +289,14 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 
 // Registered only where it is compiled: Python checks for the op.
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
+  m.def(PAGELLM_CACHE_OP("paged_prefill_attention")
+        "(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, "
         "float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("paged_prefill_attention", &pagellm::kernels::prefill_attention::paged_prefill_attention);
+  m.impl(PAGELLM_CACHE_OP("paged_prefill_attention"), &pagellm::kernels::prefill_attention::paged_prefill_attention);
 }
 
 #endif

@@ -82,8 +82,9 @@ void write_kv_cache(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor
 }  // namespace pagellm::kernels::write_kv
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("write_kv_cache(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) "
+  m.def(PAGELLM_CACHE_OP("write_kv_cache")
+        "(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) "
         "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("write_kv_cache", &pagellm::kernels::write_kv::write_kv_cache); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl(PAGELLM_CACHE_OP("write_kv_cache"), &pagellm::kernels::write_kv::write_kv_cache); }

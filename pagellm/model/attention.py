@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.kernels import (decode_attention_invariant_available, on_demand_kernels_available,
-                             paged_decode_attention, paged_decode_attention_invariant,
-                             paged_prefill_attention, prefill_attention_available, use_cpu_kernels,
-                             write_kv_cache)
+from pagellm.kernels import (cache_kernels_available, decode_attention_invariant_available,
+                             on_demand_kernels_available, paged_decode_attention,
+                             paged_decode_attention_invariant, paged_prefill_attention,
+                             prefill_attention_available, use_cpu_kernels, write_kv_cache)
 
 BLOCK_DIM = 2  # the block axis of a layer's KV cache tensor
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -188,7 +188,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ([T, kv_heads, head_dim]) at their slots, rounded to the
     cache's dtype where it is narrower than the model's."""
-    if use_cpu_kernels(kv_cache):
+    if use_cpu_kernels(kv_cache) and cache_kernels_available(kv_cache.dtype):
         write_kv_cache(kv_cache, key, value, slot_mapping)
     else:
         write_kv_with_torch_ops(kv_cache, key, value, slot_mapping)
@@ -250,15 +250,15 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale, window)
-    if (max_q == 1 and group.prefill_kernel and head_dim % 16 == 0 and use_cpu_kernels(kv_cache)
+    invariant_kernels = use_cpu_kernels(kv_cache) and cache_kernels_available(kv_cache.dtype)
+    if (max_q == 1 and group.prefill_kernel and head_dim % 16 == 0 and invariant_kernels
             and decode_attention_invariant_available()):
         # a decode-only batch-invariant step: bit-identical to the prefill kernel's rows (which
         # every other step's tokens get), with the lanes kept busy
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention_invariant(queries, kv_cache, group.block_tables,
                                                 group.seq_lens, scale, window)
-    if ((max_q > 1 or group.prefill_kernel) and use_cpu_kernels(kv_cache)
-            and prefill_attention_available()):
+    if (max_q > 1 or group.prefill_kernel) and invariant_kernels and prefill_attention_available():
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
                                        group.query_starts, group.query_lens,
                                        group.token_index.numel(), scale, window)

@@ -232,7 +232,7 @@ def load_gguf_model(reader: gguf.GGUFReader, arch: ArchConfig, dtype: torch.dtyp
 
 def build_float_kernel_if_used(net: torch.nn.Module) -> None:
     """The kernel that multiplies codes with float activations is built on demand
-    (pagellm.kernels._ON_DEMAND_UNITS): where a projection uses it, build or load it now,
+    (pagellm.kernels.build.ON_DEMAND_UNITS): where a projection uses it, build or load it now,
     at load, rather than in the first step that needs it."""
     if any(isinstance(layer, Linear) and layer.may_use_float_kernel() for layer in net.modules()):
         on_demand_kernels_available()

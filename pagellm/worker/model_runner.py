@@ -19,7 +19,8 @@ import torch
 
 from pagellm.core.kv_layout import KVCacheLayout
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagellm.kernels import cpu_kernels_available, on_demand_kernels_available
+from pagellm.kernels import (cache_kernels_available, cpu_kernels_available,
+                             on_demand_kernels_available)
 from pagellm.logger import init_logger
 from pagellm.model.arch import ArchConfig
 from pagellm.model.attention import AttentionMetadata, build_attention_metadata
@@ -96,7 +97,8 @@ class ModelRunner(KVTiers):
         self.lora: LoRAModelManager | None = None  # set by the engine core with --enable-lora
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        if device.type == "cpu":  # build (or load) the kernels now, not at the first decode
+        if device.type == "cpu":  # build (or load) the kernels now, not at the first step
+            cache_kernels_available(self.kv_cache_dtype)
             logger.info("Decode attention: %s", _decode_attention_name(self.batch_invariant))
 
     @torch.inference_mode()
