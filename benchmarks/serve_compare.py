@@ -14,13 +14,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from server_health import wait_healthy
 
 RESULTS = Path(__file__).parent / "results"
 COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -32,23 +32,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300.0,
-                 path: str = "/health") -> None:
-    """Poll `url + path` until it answers 200 (llama.cpp's server has no /health: use
-    /v1/models); exit if the server dies or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"server exited with {server.returncode}")
-        try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("server did not become healthy in time")
 
 
 def counters(url: str) -> dict[str, float]:
@@ -71,7 +54,7 @@ def serving(argv: Sequence[str], port: int, log_path: Path,
     with open(log_path, "w") as log:
         server = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(url, server, path=ready_path)
+            wait_healthy(server, url, timeout=300, path=ready_path)
             yield url
         finally:
             server.terminate()
