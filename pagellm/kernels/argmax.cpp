@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::argmax {

@@ -25,23 +25,24 @@ logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as two translation units side by side, each including its kernel files: torch's
-# headers take about 4 s of each unit's compile, paid once per unit instead of once per
-# file, and the two units build at once on two cores. Every file keeps its internals in a
-# namespace of its own (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they
-# can share one. The default serving path's kernels are one library, built at a first start;
-# those only some configurations call are another, built when one first needs them
-# (ON_DEMAND_UNITS). The int8 kernel and its AMX form share their headers' templates, so
-# they stay together; the split below is the most even found: 15.2 and 17.7 s each alone
-# (-O3, fastest of three, a 2-core Xeon with AMX), against 20.7 and 13.4 with the AMX file
-# beside the attention. Each template instantiation costs a first start seconds: the kernels
-# instantiate only what this CPU runs (the int8 kernel's instructions of one instruction
-# set), what changes their arithmetic (attention computes float32 queries; the wrappers
-# widen others) and the default configurations' KV caches (float32 and bf16; see
-# vectorizable.h's dispatch_cache_dtype).
+# tensor and registration headers take 3-4 s of a unit's compile, paid once per unit
+# instead of once per file, and the two units build at once on two cores. Every file keeps
+# its internals in a namespace of its own (pagellm::kernels::<file> or
+# pagellm::quantized::<kind>) so that they can share one. The default serving path's
+# kernels are one library, built at a first start; those only some configurations call are
+# another, built when one first needs them (ON_DEMAND_UNITS). The int8 kernel and its AMX
+# form, the longest to compile, include none of torch's tensor headers (their op, which
+# checks the tensors and hands their pointers over, is quantized_linear_int8_op.cpp in the
+# other unit): their unit parses none, 7.4-8.4 s alone against 11.6-12.5 s with them, the
+# other 9.5-10.1 s (-O3, each alone, a 2-core Xeon with AMX). Each template
+# instantiation costs a first start seconds: the kernels instantiate only what this CPU runs
+# (the int8 kernel's instructions of one instruction set), what changes their arithmetic
+# (attention computes float32 queries; the wrappers widen others) and the default
+# configurations' KV caches (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype).
 DEFAULT_UNITS = (
     ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
      "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "token_mask.cpp",
-     "decoder_layer.cpp", "sampling_noise.cpp"),
+     "decoder_layer.cpp", "sampling_noise.cpp", "quantized_linear_int8_op.cpp"),
     ("quantized_linear_int8.cpp", "quantized_linear_amx.cpp"),
 )
 # The decode attention of --no-batch-invariant (paged_attention), the batch-invariant
@@ -61,7 +62,8 @@ _SOURCES = sorted({_HERE / name for unit in (*DEFAULT_UNITS, *ON_DEMAND_UNITS)
                    for name in unit})
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
                                       "quantized_linear.h", "int8_group_sums.h", "int8_rows.h",
-                                      "attention_scores.h", "amx_tiles.h")]
+                                      "attention_scores.h", "amx_tiles.h",
+                                      "tensor_dispatch.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as

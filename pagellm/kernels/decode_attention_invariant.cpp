@@ -33,6 +33,7 @@
 
 #include "float_transpose.h"
 #include "float_vectors.h"
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::decode_attention_invariant {

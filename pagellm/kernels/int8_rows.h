@@ -5,7 +5,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
@@ -108,29 +109,32 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&&
 // panels' code type (uint8_t: 4-bit codes, int8_t: 8-bit ones) and of the scales' and zeros'
 // type (float, or c10::Half where every factor is exact in float16): one kernel's `run`.
 template <typename Multiply>
-void dispatch_int8_panels(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                          const at::Tensor& scales, const at::Tensor& zeros, Multiply&& multiply) {
-  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  pagellm::dispatch_dtype(x, "quantized_linear_int8", [&](auto tag) {
+void dispatch_int8_operands(const Int8Operands& op, Multiply&& multiply) {
+  auto with_activations = [&](auto tag) {
     using T = decltype(tag);
-    T* out = y.mutable_data_ptr<T>();
-    const T* in = x.const_data_ptr<T>();
+    T* out = static_cast<T*>(op.y);
+    const T* in = static_cast<const T*>(op.x);
     auto with_factors = [&](auto factor_tag) {
       using S = decltype(factor_tag);
-      const S* s = scales.const_data_ptr<S>();
-      const S* z = zeros.const_data_ptr<S>();
-      if (panels.scalar_type() == at::kChar) {
-        multiply(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
+      const S* s = static_cast<const S*>(op.scales);
+      const S* z = static_cast<const S*>(op.zeros);
+      if (op.nibbles) {
+        multiply(out, in, op.m, op.k, op.n, static_cast<const uint8_t*>(op.codes), s, z);
       } else {
-        multiply(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
+        multiply(out, in, op.m, op.k, op.n, static_cast<const int8_t*>(op.codes), s, z);
       }
     };
-    if (scales.scalar_type() == at::kHalf) {
+    if (op.half_factors) {
       with_factors(c10::Half{});
     } else {
       with_factors(float{});
     }
-  });
+  };
+  switch (op.dtype) {
+    case Activations::kFloat: with_activations(float{}); break;
+    case Activations::kBFloat16: with_activations(c10::BFloat16{}); break;
+    case Activations::kHalf: with_activations(c10::Half{}); break;
+  }
 }
 
 }  // namespace pagellm::quantized

@@ -24,6 +24,7 @@
 #endif
 
 #include "attention_scores.h"
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::paged_attention {

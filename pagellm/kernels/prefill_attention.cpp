@@ -37,6 +37,7 @@
 #include <immintrin.h>
 
 #include "float_vectors.h"
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::prefill_attention {

@@ -30,6 +30,7 @@
 
 #include "float_transpose.h"
 #include "quantized_linear.h"
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::quantized_linear {

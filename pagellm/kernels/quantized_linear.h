@@ -2,8 +2,6 @@
 // int8 ones (quantized_linear_int8.cpp, quantized_linear_amx.cpp).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 
 namespace pagellm::quantized {
@@ -20,10 +18,34 @@ inline int64_t input_chunk(int64_t k) {
   return (k / kGroup + chunks - 1) / chunks * kGroup;
 }
 
-// quantized_linear_int8 on AMX tiles (quantized_linear_amx.cpp), for groups of 32: writes y
-// and returns true, or returns false where the tiles are not permitted (amx_tiles.h) or x
-// has too few rows for them to pay (kTileMinRows there).
-bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros);
+// The activations' dtype of an int8 matmul: float, c10::BFloat16 or c10::Half.
+enum class Activations { kFloat, kBFloat16, kHalf };
+
+// One int8 matmul y = x W^T, as quantized_linear_int8's op (quantized_linear_int8_op.cpp)
+// checked it: y [m, n] and x [m, k] contiguous, of one dtype; the panels' codes, 8-bit ones
+// (int8) or 4-bit ones two per byte (uint8); their scales and zeros per group of `group`
+// inputs (32, or 16), float32 or float16 (both alike). Plain pointers: the kernels' files
+// compile without torch's tensor headers (build.py).
+struct Int8Operands {
+  void* y;
+  const void* x;
+  Activations dtype;
+  int64_t m, k, n;
+  const void* codes;
+  bool nibbles;  // 4-bit codes (uint8), else 8-bit ones (int8)
+  const void* scales;
+  const void* zeros;
+  bool half_factors;  // scales and zeros in float16, else float32
+  int64_t group;
+};
+
+// The int8 matmul (quantized_linear_int8.cpp): on AMX tiles where those are permitted and
+// pay, else on AVX512-VNNI's or AVX2's instructions.
+void int8_matmul(const Int8Operands& operands);
+
+// The matmul on AMX tiles (quantized_linear_amx.cpp), for groups of 32: writes y and returns
+// true, or returns false where the tiles are not permitted (amx_tiles.h) or x has too few
+// rows for them to pay (kTileMinRows there).
+bool int8_matmul_amx(const Int8Operands& operands);
 
 }  // namespace pagellm::quantized

@@ -22,13 +22,11 @@
 // costs the same for a padding row as for a live one: below kTileMinRows rows the AVX2
 // kernel, which computes only the live rows, is faster, and gives the same bits.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
-
 #include <vector>
 
 #include "amx_tiles.h"
@@ -184,11 +182,9 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 }  // namespace
 }  // namespace int8_tiles
 
-bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                               const at::Tensor& scales, const at::Tensor& zeros) {
-  if (x.size(0) < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
-  dispatch_int8_panels(y, x, panels, scales, zeros,
-                       [](auto... args) { int8_tiles::run(args...); });
+bool int8_matmul_amx(const Int8Operands& operands) {
+  if (operands.m < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
+  dispatch_int8_operands(operands, [](auto... args) { int8_tiles::run(args...); });
   return true;
 }
 
@@ -198,10 +194,7 @@ bool quantized_linear_int8_amx(at::Tensor& y, const at::Tensor& x, const at::Ten
 
 namespace pagellm::quantized {
 
-bool quantized_linear_int8_amx(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&) {
-  return false;
-}
+bool int8_matmul_amx(const Int8Operands&) { return false; }
 
 }  // namespace pagellm::quantized
 

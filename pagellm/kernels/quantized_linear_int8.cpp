@@ -45,8 +45,6 @@
 // half of the 32 then sums and scales on its own, with its half of the activations' sum.
 // Both may be float16 instead, where every value is exact there.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -210,59 +208,30 @@ using SumsOf = NarrowSums<Codes>;
 // Calls run<kGroupSize> with the panels' codes: 8-bit ones (int8), or 4-bit ones two per
 // byte (uint8).
 template <int kGroupSize>
-void multiply(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-              const at::Tensor& scales, const at::Tensor& zeros) {
+void multiply(const Int8Operands& operands) {
   auto run_on = [](auto* out, const auto* in, int64_t m, int64_t k, int64_t n,
                    const auto* codes, const auto* s, const auto* z) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(codes)>>;
     using Codes = std::conditional_t<std::is_same_v<Code, uint8_t>, CodeNibbles, CodeBytes>;
     run<kGroupSize, SumsOf<Codes>>(out, in, m, k, n, codes, s, z);
   };
-  dispatch_int8_panels(y, x, panels, scales, zeros, run_on);
-}
-
-// y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see the top.
-void quantized_linear_int8(at::Tensor y, const at::Tensor& x, const at::Tensor& panels,
-                           const at::Tensor& scales, const at::Tensor& zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
-                  y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
-              "quantized_linear_int8 expects contiguous x [M, K] and y [M, N] of one dtype");
-  const int64_t k = x.size(1), n = y.size(1), count = (n + kPanel - 1) / kPanel;
-  const bool signed_codes = panels.scalar_type() == at::kChar;
-  TORCH_CHECK(k % kGroup == 0 && panels.is_contiguous() &&
-                  (signed_codes ? panels.numel() == count * kPanel * k
-                                : panels.scalar_type() == at::kByte &&
-                                      2 * panels.numel() == count * kPanel * k),
-              "quantized_linear_int8: panels must be int8 [ceil(N / 16), K / 32, 8, 16, 4] "
-              "(8-bit codes) or uint8 [ceil(N / 16), K / 32, 8, 32] (4-bit codes two per "
-              "byte)");
-  const int64_t group = scales.numel() == count * (k / kGroup) * kPanel ? kGroup : kHalfGroup;
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == scales.scalar_type() &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
-                    t->numel() == count * (k / group) * kPanel,
-                "quantized_linear_int8: scales and zeros must be float32 or float16 (both "
-                "alike) [ceil(N / 16), K / 32 or K / 16, 16]");
-  }
-  if (group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
-    multiply<kHalfGroup>(y, x, panels, scales, zeros);
-    return;
-  }
-  if (quantized_linear_int8_amx(y, x, panels, scales, zeros)) return;
-  multiply<kGroup>(y, x, panels, scales, zeros);
+  dispatch_int8_operands(operands, run_on);
 }
 
 }  // namespace
 }  // namespace pagellm::quantized::int8
 
-// Registered only where it is compiled: Python checks for the op (int8_matmul_available).
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("quantized_linear_int8(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
-        "Tensor zeros) -> ()");
+namespace pagellm::quantized {
+
+void int8_matmul(const Int8Operands& operands) {
+  if (operands.group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
+    int8::multiply<kHalfGroup>(operands);
+    return;
+  }
+  if (int8_matmul_amx(operands)) return;
+  int8::multiply<kGroup>(operands);
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("quantized_linear_int8", &pagellm::quantized::int8::quantized_linear_int8);
-}
+}  // namespace pagellm::quantized
 
 #endif  // __AVX2__

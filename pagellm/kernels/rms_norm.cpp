@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::rms_norm {

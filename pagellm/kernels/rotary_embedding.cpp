@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::rotary_embedding {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::token_mask {

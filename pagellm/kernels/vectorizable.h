@@ -1,10 +1,11 @@
 // Helpers written so that loops over them vectorize. Reading and writing activations of
 // any dtype as float32: bfloat16 is converted through its raw bits (the c10 struct's
 // operators are opaque scalar calls to the vectorizer); float16 goes through c10. And
-// exp in plain float arithmetic (std::exp is a scalar library call).
+// exp in plain float arithmetic (std::exp is a scalar library call). Without torch's
+// tensor headers, so that the int8 kernels' translation unit parses none (build.py);
+// the dtype dispatch of tensors is in tensor_dispatch.h.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -207,57 +208,5 @@ inline float log_positive(float x) {
   series = series * t2 + 1.f;
   return e * 0.693147181f + 2.f * t * series;
 }
-
-// Calls fn(T{}) with T the C++ type of x's dtype: float, c10::BFloat16 or c10::Half.
-template <typename Fn>
-void dispatch_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", x.scalar_type());
-  }
-}
-
-// dispatch_dtype, plus the fp8 formats a KV cache may be stored in (c10::Float8_e4m3fn,
-// c10::Float8_e5m2).
-template <typename Fn>
-void dispatch_any_cache_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat8_e4m3fn: fn(c10::Float8_e4m3fn{}); break;
-    case at::kFloat8_e5m2: fn(c10::Float8_e5m2{}); break;
-    default: dispatch_dtype(x, op, fn);
-  }
-}
-
-// The KV cache dtypes this library's batch-invariant attention and cache writes instantiate,
-// each a full copy of those kernels (about 1 s of a first start's compile per dtype).
-// The default library: float and bf16, the caches of every default configuration. Built
-// with PAGELLM_OTHER_CACHE_DTYPES (the on-demand library): fp16 and the fp8 formats, the
-// ops registered under PAGELLM_CACHE_OP's names, ending in "_other_caches".
-#ifdef PAGELLM_OTHER_CACHE_DTYPES
-#define PAGELLM_CACHE_OP(name) name "_other_caches"
-template <typename Fn>
-void dispatch_cache_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kHalf: fn(c10::Half{}); break;
-    case at::kFloat8_e4m3fn: fn(c10::Float8_e4m3fn{}); break;
-    case at::kFloat8_e5m2: fn(c10::Float8_e5m2{}); break;
-    default:
-      TORCH_CHECK(false, op, ": a cache of ", x.scalar_type(), " belongs to the default library");
-  }
-}
-#else
-#define PAGELLM_CACHE_OP(name) name
-template <typename Fn>
-void dispatch_cache_dtype(const at::Tensor& x, const char* op, Fn&& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default:
-      TORCH_CHECK(false, op, ": a cache of ", x.scalar_type(), " needs the on-demand library");
-  }
-}
-#endif
 
 }  // namespace pagellm

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::write_kv {
