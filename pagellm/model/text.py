@@ -9,6 +9,9 @@ then the tokenizer. Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,14 +94,29 @@ class EarlyTokenizer:
 
 def load_early_tokenizer(model: str | None, override: str | None,
                          formats: ModelFormats) -> EarlyTokenizer | None:
-    """None where it does not load: the engine core then reports a bad model or tokenizer
-    in its own words first, and `tokenizer_for` tries again with the core's spec."""
-    try:
-        path = resolve_model_path(model)
-        spec = TokenizerSpec(path, override, formats.resolved(path).tokenizer_mode)
-        return EarlyTokenizer(spec, load_text_tokenizer(spec))
-    except Exception:  # noqa: BLE001 - see above: the core's message comes first
-        return None
+    """The tokenizer, loaded while the engine core loads, in a thread of lower CPU priority
+    (nice + 10, Linux's nice values being per thread): the core's work is the start's
+    critical path, and on a first start the two compete for the cores (the kernels' compile
+    there, the tokenizer's rebuild from a GGUF here, 4 s of CPU for SmolLM2's); the rebuild
+    then takes the cycles the compile leaves. None where it does not load: the engine core
+    then reports a bad model or tokenizer in its own words first, and `tokenizer_for` tries
+    again with the core's spec."""
+    loaded: list[EarlyTokenizer | None] = [None]
+
+    def load() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        try:
+            path = resolve_model_path(model)
+            spec = TokenizerSpec(path, override, formats.resolved(path).tokenizer_mode)
+            loaded[0] = EarlyTokenizer(spec, load_text_tokenizer(spec))
+        except Exception:  # noqa: BLE001 - see above: the core's message comes first
+            pass
+
+    thread = threading.Thread(target=load, name="pagellm-tokenizer")
+    thread.start()
+    thread.join()
+    return loaded[0]
 
 
 def tokenizer_for(spec: TokenizerSpec, early: EarlyTokenizer | None) -> Any:
