@@ -19,7 +19,7 @@ from tiny_models import write_tiny_gguf
 from pagellm.kernels import cpu_kernels_available
 from pagellm.model.arch import arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import ModelLoadError
-from pagellm.model.gguf_file import GGUFFileReader
+from pagellm.model.gguf_file import GGUFFileReader, GGUFModelReader
 from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
 from pagellm.model.loader import load_model
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
@@ -45,6 +45,24 @@ def test_the_file_reader_reads_what_gguf_reads(smollm2_gguf: Path) -> None:
             reference.name, reference.tensor_type, list(reference.shape))
         assert mine.data.dtype == reference.data.dtype
         assert np.array_equal(mine.data, reference.data)
+
+
+def test_the_model_reader_skips_only_the_long_arrays(smollm2_gguf: Path) -> None:
+    """The engine's reader: the tokenizer's three long arrays typed but without values,
+    every other metadata value and every tensor (data and place) as gguf reads them."""
+    ours, theirs = GGUFModelReader(smollm2_gguf), gguf.GGUFReader(smollm2_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    skipped = [name for name, field in ours.fields.items() if not field.data]
+    assert skipped == ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.merges"]
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types, name
+        if name not in skipped:
+            assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.data_offset, list(t.shape)) for t in ours.tensors] == [
+        (t.name, t.data_offset, list(t.shape)) for t in theirs.tensors]
+    assert all(np.array_equal(mine.data, reference.data)
+               for mine, reference in zip(ours.tensors, theirs.tensors))
 
 
 @pytest.mark.parametrize("quantization", [Q5_0, Q5_1], ids=["Q5_0", "Q5_1"])

@@ -5,6 +5,7 @@ Without torch: the API server loads a GGUF's tokenizer with it, and never import
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Iterator
 
 import gguf
@@ -27,6 +28,43 @@ class GGUFFileReader(gguf.GGUFReader):
         values = mapped[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
         order = self.byte_order if override_order is None else override_order
         return values.view(values.dtype.newbyteorder(order))
+
+
+class GGUFModelReader(GGUFFileReader):
+    """The engine's reader: a model's tensors and hyperparameters. Metadata arrays of more
+    than SKIPPED_ARRAY_LENGTH values (a tokenizer's vocabulary, merges, scores and token
+    types: about 150,000 values in SmolLM2's file, half a second of a first start's critical
+    path to parse, which the engine never reads) are skipped: their fields keep their types
+    and no values (`contents()` is empty). The tokenizer is read from the file through
+    transformers, with a reader of its own (gguf_reads_by_file_reader)."""
+
+    SKIPPED_ARRAY_LENGTH = 1024
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int
+                         ) -> tuple[int, list[np.ndarray], list[int], list[gguf.GGUFValueType]]:
+        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        if int(length[0]) <= self.SKIPPED_ARRAY_LENGTH:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item = gguf.GGUFValueType(int(item_type[0]))
+        size = 12 + self._array_bytes(orig_offs + 12, item, int(length[0]))
+        return size, [item_type, length], [], [gguf.GGUFValueType.ARRAY, item]
+
+    def _array_bytes(self, offset: int, item: gguf.GGUFValueType, length: int) -> int:
+        """The bytes of `length` values of type `item` from `offset`: strings are walked by
+        their length prefixes alone."""
+        scalar = self.gguf_scalar_to_np.get(item)
+        if scalar is not None:
+            return length * np.dtype(scalar).itemsize
+        if item != gguf.GGUFValueType.STRING:
+            raise ValueError(f"Unsupported GGUF array of {item.name}")
+        mapped = self.data.view(np.ndarray)
+        prefix = struct.Struct("<Q" if self.endianess == gguf.GGUFEndian.LITTLE else ">Q")
+        end = offset
+        for _ in range(length):
+            end += prefix.size + prefix.unpack_from(mapped, end)[0]
+        return end - offset
 
 
 @contextlib.contextmanager

@@ -160,11 +160,11 @@ def read_gguf(path: Path) -> tuple[gguf.GGUFReader, ArchConfig]:
     """gguf (and gguf_weights.py) are imported here, where a file is read, not with this
     module: the import costs half a second (gguf-py pulls in mistral-common), which a
     restart from the prepared-weights cache never needs."""
-    from pagellm.model.gguf_file import GGUFFileReader
+    from pagellm.model.gguf_file import GGUFModelReader
     from pagellm.model.gguf_weights import check_tensor_types
 
     with reading(path, "not a readable GGUF file (truncated or corrupt)"):
-        reader = GGUFFileReader(path)
+        reader = GGUFModelReader(path)
     with reading(path, "unsupported model"):
         arch = arch_from_gguf(reader)
         check_tensor_types(reader)
