@@ -302,7 +302,7 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
     (tmp_path / name / f"{name}.so").write_bytes(b"half a library")
     assert kernels.cpu_kernels_available.__wrapped__()
     assert built == [[str(tmp_path / name / "unit_0.cpp"), str(tmp_path / name / "unit_1.cpp")]]
-    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "decode_attention_invariant.cpp"')
+    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "prefill_attention.cpp"')
 
 
 def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
@@ -329,12 +329,35 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
                    for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
                                 '"quantized_linear_bf16_amx.cpp"', '"cache_eviction.cpp"'))
     assert on_demand == ['#include "paged_attention.cpp"\n#include "prefill_attention.cpp"\n',
-                         '#include "decode_attention_invariant.cpp"\n#include "write_kv.cpp"\n'
+                         '#include "decode_attention_invariant.cpp"\n'
+                         '#include "decode_attention_invariant_op.cpp"\n#include "write_kv.cpp"\n'
                          '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n'
                          '#include "cache_eviction.cpp"\n']
     assert "-DPAGELLM_OTHER_CACHE_DTYPES" not in built[0]["extra_cflags"]
     assert "-DPAGELLM_OTHER_CACHE_DTYPES" in built[1]["extra_cflags"]
     assert Path(built[1]["sources"][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")
+
+
+def test_the_default_librarys_kernel_unit_parses_no_tensor_header():
+    """The int8 kernels and the invariant decode attention compile in a unit of their own
+    without torch's tensor and registration headers (3-4 s of a unit's compile); their ops
+    are in the other unit. Every file that unit includes, directly or through pagellm's own
+    headers, stays clear of them."""
+    import re
+
+    from pagellm.kernels import build
+
+    def includes(name: str) -> set[str]:
+        text = (build._HERE / name).read_text()
+        local = re.findall(r'#include "([^"]+)"', text)
+        return set(re.findall(r"#include <([^>]+)>", text)).union(
+            *(includes(header) for header in local))
+
+    kernels_unit = build.DEFAULT_UNITS[1]
+    assert "decode_attention_invariant.cpp" in kernels_unit
+    for name in kernels_unit:
+        assert not includes(name) & {"ATen/core/Tensor.h", "torch/library.h", "torch/extension.h",
+                                     "ATen/ATen.h"}, name
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels do not build here")

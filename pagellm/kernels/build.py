@@ -30,20 +30,21 @@ _HERE = Path(__file__).parent
 # its internals in a namespace of its own (pagellm::kernels::<file> or
 # pagellm::quantized::<kind>) so that they can share one. The default serving path's
 # kernels are one library, built at a first start; those only some configurations call are
-# another, built when one first needs them (ON_DEMAND_UNITS). The int8 kernel and its AMX
-# form, the longest to compile, include none of torch's tensor headers (their op, which
-# checks the tensors and hands their pointers over, is quantized_linear_int8_op.cpp in the
-# other unit): their unit parses none, 7.4-8.4 s alone against 11.6-12.5 s with them, the
-# other 9.5-10.1 s (-O3, each alone, a 2-core Xeon with AMX). Each template
+# another, built when one first needs them (ON_DEMAND_UNITS). The int8 kernel, its AMX form
+# and the invariant decode attention include none of torch's tensor headers (their ops,
+# which check the tensors and hand their pointers over, are the *_op.cpp files of the other
+# unit): their unit parses none, and the two units take 9.3-9.7 and 9.5-9.7 s side by side
+# (-O3, a 2-core Xeon with AMX; 8.5-8.8 and 10.7-11.0 with the decode attention in the
+# other unit, 11.6-12.5 s alone for the int8 files parsing those headers). Each template
 # instantiation costs a first start seconds: the kernels instantiate only what this CPU runs
 # (the int8 kernel's instructions of one instruction set), what changes their arithmetic
 # (attention computes float32 queries; the wrappers widen others) and the default
 # configurations' KV caches (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype).
 DEFAULT_UNITS = (
-    ("decode_attention_invariant.cpp", "prefill_attention.cpp", "write_kv.cpp",
-     "rotary_embedding.cpp", "activation.cpp", "argmax.cpp", "rms_norm.cpp", "token_mask.cpp",
-     "decoder_layer.cpp", "sampling_noise.cpp", "quantized_linear_int8_op.cpp"),
-    ("quantized_linear_int8.cpp", "quantized_linear_amx.cpp"),
+    ("prefill_attention.cpp", "write_kv.cpp", "rotary_embedding.cpp", "activation.cpp",
+     "argmax.cpp", "rms_norm.cpp", "token_mask.cpp", "decoder_layer.cpp", "sampling_noise.cpp",
+     "quantized_linear_int8_op.cpp", "decode_attention_invariant_op.cpp"),
+    ("quantized_linear_int8.cpp", "quantized_linear_amx.cpp", "decode_attention_invariant.cpp"),
 )
 # The decode attention of --no-batch-invariant (paged_attention), the batch-invariant
 # attention and cache writes again for fp16 and fp8 caches (built with
@@ -54,7 +55,8 @@ DEFAULT_UNITS = (
 # 22.7 and 18.0 s each alone on the Xeon of DEFAULT_UNITS' figures.
 ON_DEMAND_UNITS = (
     ("paged_attention.cpp", "prefill_attention.cpp"),
-    ("decode_attention_invariant.cpp", "write_kv.cpp", "quantized_linear.cpp",
+    ("decode_attention_invariant.cpp", "decode_attention_invariant_op.cpp", "write_kv.cpp",
+     "quantized_linear.cpp",
      "quantized_linear_bf16_amx.cpp", "cache_eviction.cpp"),
 )
 ON_DEMAND_DEFINES = ("PAGELLM_OTHER_CACHE_DTYPES",)
@@ -63,7 +65,8 @@ _SOURCES = sorted({_HERE / name for unit in (*DEFAULT_UNITS, *ON_DEMAND_UNITS)
 _HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
                                       "quantized_linear.h", "int8_group_sums.h", "int8_rows.h",
                                       "attention_scores.h", "amx_tiles.h",
-                                      "tensor_dispatch.h")]
+                                      "tensor_dispatch.h", "cache_types.h",
+                                      "decode_attention_invariant.h")]
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as

@@ -20,8 +20,6 @@
 // as the prefill kernel folds them. Everything computes in float32; queries and output are
 // float32 too, as the prefill kernel's (the wrapper widens and rounds other dtypes).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,9 +29,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "decode_attention_invariant.h"
 #include "float_transpose.h"
 #include "float_vectors.h"
-#include "tensor_dispatch.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::decode_attention_invariant {
@@ -47,10 +45,6 @@ using namespace pagellm::float_vectors;
 // Keys scored per pass: enough key vectors for independent FMA chains (a block of 16 keys is
 // one vector on AVX512, and a chain's FMAs wait on each other).
 constexpr int64_t kChunkKeys = 64;
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
-};
 
 // s[r][t * kWidth + lane] = the chain fma(kt[i][..], q[r][i], acc) over i = 0..d-1 from 0, for
 // kRows rows and kTiles vectors of keys: the prefill kernel's chain for that (row, key).
@@ -293,24 +287,24 @@ void attend_item(float* out, const float* query, const BlockStream<C>& keys,
 }
 
 template <typename C>
-void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s, float scale,
-         int64_t window) {
-  const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
-  const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
+void run(const Operands& a) {
+  const Shape& s = a.shape;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t head_stride = a.blocks_per_head * s.block_size * s.head_dim;
   const int64_t layer_stride = s.num_kv_heads * head_stride;
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
-  const C* cache = kv_cache.const_data_ptr<C>();
-  const float* q = query.const_data_ptr<float>();
-  float* o = out.mutable_data_ptr<float>();
+  const int64_t* lens = a.seq_lens;
+  const int64_t* tables = a.block_tables;
+  const C* cache = static_cast<const C*>(a.kv_cache);
+  const float* q = a.query;
+  float* o = a.out;
+  const int64_t window = a.window;
   // an item's first block (the window's) and past its last
   auto first_block = [&](int64_t n) {
     return window > 0 ? std::max<int64_t>(0, lens[n] - window) / s.block_size : 0;
   };
   auto end_block = [&](int64_t n) { return (lens[n] + s.block_size - 1) / s.block_size; };
   // items: (request, kv head), each computed alike however the pool splits them
-  at::parallel_for(0, requests * s.num_kv_heads, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, a.requests * s.num_kv_heads, 1, [&](int64_t first, int64_t last) {
     Scratch scratch;
     for (int64_t item = first; item < last; ++item) {
       const int64_t n = item / s.num_kv_heads, h = item % s.num_kv_heads;
@@ -328,50 +322,19 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
       };
       attend_item(o + n * s.num_heads * s.head_dim + h * group * s.head_dim,
                   q + n * s.query_row_stride + h * group * s.head_dim, stream(cache),
-                  stream(cache + layer_stride), lens[n], s, scale, window, scratch);
+                  stream(cache + layer_stride), lens[n], s, a.scale, window, scratch);
     }
   });
 }
 
-// out: [N, H * D]; query: [N, H, D] (one token per request, at position seq_lens[n] - 1) with
-// unit strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
-// block_tables: [N, max_blocks]; seq_lens: [N], int64; window > 0: each query sees only its
-// last `window` keys. D: a multiple of 16.
-void paged_decode_attention_invariant(at::Tensor out, const at::Tensor& query,
-                                      const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                      const at::Tensor& seq_lens, double scale, int64_t window) {
-  const char* op = "paged_decode_attention_invariant";
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2, op,
-              ": unexpected ranks");
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
-                  kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous(),
-              op, ": unexpected strides");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, op,
-              ": query and output must be float32");
-  const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
-                kv_cache.size(3), block_tables.size(1), query.stride(0)};
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
-                  s.head_dim % 16 == 0 && seq_lens.size(0) == query.size(0),
-              op, ": head shapes do not match");
-  const float f = static_cast<float>(scale);
-  pagellm::dispatch_cache_dtype(kv_cache, op, [&](auto cache_tag) {
-    run<decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens, s, f, window);
-  });
-}
-
 }  // namespace
+
+inline namespace PAGELLM_CACHE_LIBRARY {
+void attend(const Operands& operands) {
+  dispatch_cache_type(operands.cache_type, [&](auto tag) { run<decltype(tag)>(operands); });
+}
+}
+
 }  // namespace pagellm::kernels::decode_attention_invariant
-
-// Registered only where it is compiled: Python checks for the op.
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def(PAGELLM_CACHE_OP("paged_decode_attention_invariant")
-        "(Tensor(a!) out, Tensor query, Tensor kv_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl(PAGELLM_CACHE_OP("paged_decode_attention_invariant"), &pagellm::kernels::decode_attention_invariant::paged_decode_attention_invariant);
-}
 
 #endif
