@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,8 +105,9 @@ def load_early_tokenizer(model: str | None, override: str | None,
     loaded: list[EarlyTokenizer | None] = [None]
 
     def load() -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        if sys.platform.startswith("linux"):  # elsewhere the whole process would be reniced
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
         try:
             path = resolve_model_path(model)
             spec = TokenizerSpec(path, override, formats.resolved(path).tokenizer_mode)
