@@ -155,3 +155,25 @@ def test_large_inputs_are_encoded_in_a_lower_priority_worker(smollm2_gguf: Path)
                 == os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
     finally:
         pool.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
+def test_the_early_tokenizer_loads_at_a_lower_priority_and_leaves_the_callers_alone():
+    """The API server loads its tokenizer while the engine core loads, in a thread of nice
+    +10, so that the core's work (a first start's kernel compile) gets the cores first; the
+    thread that serves requests afterwards keeps its priority."""
+    from pagellm.mistral.formats import ModelFormats
+    from pagellm.model import text
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+
+    def load(spec: object) -> str:
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))
+        return "tokenizer"
+
+    with mock.patch.object(text, "load_text_tokenizer", load):
+        early = text.load_early_tokenizer(None, None, ModelFormats())
+    assert early is not None and early.tokenizer == "tokenizer"
+    assert seen == [min(before + 10, 19)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
