@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,23 +102,27 @@ def load_early_tokenizer(model: str | None, override: str | None,
     then takes the cycles the compile leaves. None where it does not load: the engine core
     then reports a bad model or tokenizer in its own words first, and `tokenizer_for` tries
     again with the core's spec."""
-    loaded: list[EarlyTokenizer | None] = [None]
+    with ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenizer",
+                            initializer=_lower_this_threads_priority) as loader:
+        return loader.submit(_early_tokenizer, model, override, formats).result()
 
-    def load() -> None:
-        if sys.platform.startswith("linux"):  # elsewhere the whole process would be reniced
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
-        try:
-            path = resolve_model_path(model)
-            spec = TokenizerSpec(path, override, formats.resolved(path).tokenizer_mode)
-            loaded[0] = EarlyTokenizer(spec, load_text_tokenizer(spec))
-        except Exception:  # noqa: BLE001 - see above: the core's message comes first
-            pass
 
-    thread = threading.Thread(target=load, name="pagellm-tokenizer")
-    thread.start()
-    thread.join()
-    return loaded[0]
+def _early_tokenizer(model: str | None, override: str | None,
+                     formats: ModelFormats) -> EarlyTokenizer | None:
+    try:
+        path = resolve_model_path(model)
+        spec = TokenizerSpec(path, override, formats.resolved(path).tokenizer_mode)
+        return EarlyTokenizer(spec, load_text_tokenizer(spec))
+    except Exception:  # noqa: BLE001 - see load_early_tokenizer: the core's message comes first
+        return None
+
+
+def _lower_this_threads_priority() -> None:
+    """nice + 10 for the calling thread alone: Linux only, where nice values are per thread
+    (elsewhere the whole process would be reniced)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 10)
 
 
 def tokenizer_for(spec: TokenizerSpec, early: EarlyTokenizer | None) -> Any:
