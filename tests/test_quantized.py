@@ -213,12 +213,14 @@ torch.save(int8_products(), sys.argv[2])
 
 def int8_products() -> list[torch.Tensor]:
     """The int8 kernel's outputs for 4-bit and 8-bit codes, float32 and bf16, 12 to 50 rows
-    (whole and partial tiles of 16), an odd number of groups (9) and a partial panel."""
+    (whole and partial tiles of 16), an odd number of groups (9) and a partial panel; and 150
+    rows times 38 panels, where the AMX kernel takes each thread's panels 16 at a time."""
     outputs = []
-    for bits, dtype, tokens in ((4, torch.float32, 50), (4, torch.bfloat16, 12),
-                                (8, torch.float32, 33), (8, torch.bfloat16, 16)):
-        weight = random_weight(bits, 203, 288, with_zeros=bits == 4)
-        layer = Linear(288, 203, bias=False).to(dtype)
+    for bits, dtype, tokens, features in ((4, torch.float32, 50, 203), (4, torch.bfloat16, 12, 203),
+                                          (8, torch.float32, 33, 203), (8, torch.bfloat16, 16, 203),
+                                          (4, torch.float32, 150, 600), (8, torch.bfloat16, 150, 600)):
+        weight = random_weight(bits, features, 288, with_zeros=bits == 4)
+        layer = Linear(288, features, bias=False).to(dtype)
         layer.attach_quantized(weight, max_tokens=1024, int8_activations=True)
         x = torch.randn(tokens, 288, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         outputs.append(layer.quantized_forward(x))
