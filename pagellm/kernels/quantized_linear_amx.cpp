@@ -130,14 +130,15 @@ inline void store_rows(const __m512 (&acc)[kRows], int64_t rows, int64_t width, 
 // Rows [m0, m0 + 16) of the rounded activations times one panel's codes (a byte each), into
 // the first `live` of those rows of y, the panel's features from n0.
 template <bool kSigned, typename T, typename Code, typename S>
-inline void block_times_panel(const Int8Rows& rows, int64_t m0, int64_t live, int64_t k,
-                              const Code* codes, const S* scales, const S* zeros, T* y,
-                              int64_t n, int64_t n0) {
+__attribute__((always_inline)) inline void block_times_panel(const Int8Rows& rows, int64_t m0,
+                                                    int64_t live, int64_t k,
+                                                    const Code* codes, const S* scales,
+                                                    const S* zeros, T* y, int64_t n, int64_t n0,
+                                                    int32_t (&sums)[2][kRows * 16]) {
   const int64_t groups = k / kGroup;
   const int8_t* inputs = rows.values.data() + m0 * k;
   const float* steps = rows.scales.data() + m0 * groups;
   const float* step_sums = rows.sums.data() + m0 * groups;
-  alignas(64) int32_t sums[2][kRows * 16];
   __m512 acc[kRows];
   for (auto& a : acc) a = _mm512_setzero_ps();
   auto add = [&](int64_t g, const int32_t* group_sums) {
@@ -185,6 +186,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
   });
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
+    alignas(64) int32_t sums[2][kRows * 16];
     std::vector<Code> unpacked(kSigned ? 0 : chunk_panels * kPanel * k);
     for (int64_t p0 = begin; p0 < end; p0 += chunk_panels) {
       const int64_t chunk = std::min(chunk_panels, end - p0);
@@ -201,7 +203,7 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
           block_times_panel<kSigned>(rows, m0, std::min<int64_t>(kRows, m - m0), k,
                                      chunk_codes + c * kPanel * k,
                                      panel_scales + p * groups * kPanel,
-                                     panel_zeros + p * groups * kPanel, y, n, p * kPanel);
+                                     panel_zeros + p * groups * kPanel, y, n, p * kPanel, sums);
         }
       }
     }
