@@ -216,9 +216,10 @@ def int8_products() -> list[torch.Tensor]:
     (whole and partial tiles of 16), an odd number of groups (9) and a partial panel; and 150
     rows times 38 panels, where the AMX kernel takes each thread's panels 16 at a time."""
     outputs = []
-    for bits, dtype, tokens, features in ((4, torch.float32, 50, 203), (4, torch.bfloat16, 12, 203),
-                                          (8, torch.float32, 33, 203), (8, torch.bfloat16, 16, 203),
-                                          (4, torch.float32, 150, 600), (8, torch.bfloat16, 150, 600)):
+    cases = ((4, torch.float32, 50, 203), (4, torch.bfloat16, 12, 203),
+             (8, torch.float32, 33, 203), (8, torch.bfloat16, 16, 203),
+             (4, torch.float32, 150, 600), (8, torch.bfloat16, 150, 600))
+    for bits, dtype, tokens, features in cases:
         weight = random_weight(bits, features, 288, with_zeros=bits == 4)
         layer = Linear(288, features, bias=False).to(dtype)
         layer.attach_quantized(weight, max_tokens=1024, int8_activations=True)

@@ -18,8 +18,8 @@
 //
 // The tiles load a code per byte, and the panels hold 4-bit codes two per byte (half the
 // bytes for a decode step to read): each thread unpacks such a panel once per call into a
-// buffer of its own, then multiplies every block of 16 rows with it. The scales and zeros may be float16
-// (exact, widened as they are loaded), as for the AVX2 kernel.
+// buffer of its own, then multiplies every block of 16 rows with it. The scales and zeros
+// may be float16 (exact, widened as they are loaded), as for the AVX2 kernel.
 //
 // A tile multiplies 16 rows whatever the number of live ones, and the scaling after it
 // costs the same for a padding row as for a live one: below kTileMinRows rows the AVX2
