@@ -164,7 +164,11 @@ def sweep(args: argparse.Namespace, cap: int | None) -> list[Run]:
         runs.append(Run(prefill_run(args), ["--max-concurrency", "1", "--random-input-len",
                                             str(args.prefill_len), "--random-output-len", "1",
                                             *prompts(4)], 1, args.prefill_len + 64))
-    return runs
+    # Each run draws its own prompts: with one seed, runs of as many prompts (c1 and c4) sent
+    # the same ones, and a server that keeps its prefix cache across the sweep answered the
+    # second run from it, where a peer restarted per run computed it again.
+    return [Run(run.label, [*run.flags, "--seed", str(index)], run.clients,
+                run.tokens_per_client) for index, run in enumerate(runs)]
 
 
 def rate_run(args: argparse.Namespace) -> str:

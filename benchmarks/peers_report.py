@@ -32,8 +32,9 @@ COLUMNS = (("output tok/s", "output_throughput"), ("TTFT p50 ms", "p50_ttft_ms")
            ("ITL p99 ms", "p99_itl_ms"))
 INTRO = ("`python benchmarks/peers.py`: the SmolLM2-135M-Instruct Q4_1 GGUF for every peer, "
          "`pagellm bench serve --backend openai --endpoint /v1/completions`, random prompts "
-         "(same tokenizer, same seed), `--ignore-eos` (llama-cpp-python's server ignores "
-         "that field, so its outputs may stop early at EOS; tok/s counts real tokens). "
+         "(same tokenizer; each run its own seed, the same for every peer), `--ignore-eos` "
+         "(llama-cpp-python's server ignores that field, so its outputs may stop early at "
+         "EOS; tok/s counts real tokens). "
          "Runs `cN`: `--max-concurrency N`; the rate run: Poisson arrivals, no cap on "
          "concurrency. One server at a time on this machine. The host is shared, so its speed "
          "drifts: by about 10% between runs, and single-stream ITL by up to 2x. Compare peers "
