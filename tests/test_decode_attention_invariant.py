@@ -91,6 +91,23 @@ def test_each_length_alone_equals_it_in_a_batch(length):
     assert torch.equal(everyone[n:n + 1], alone)
 
 
+def test_rows_do_not_depend_on_how_many_threads_share_them():
+    """Each thread requests the blocks of its next (request, kv head) item ahead, wherever its
+    range of items ends: one thread, then the pool (twice), give the same bits."""
+    cache, tables, seq_lens, chunks = random_case(LENGTHS * 8, 3, 64, 16, torch.bfloat16,
+                                                  torch.float32, 1, 4)
+    query = torch.cat(chunks)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = paged_decode_attention_invariant(query, cache, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for _ in range(2):
+        assert torch.equal(paged_decode_attention_invariant(query, cache, tables, seq_lens,
+                                                            0.125), alone)
+
+
 def test_query_rows_with_a_stride():
     """Queries as the engine hands them: a view of the fused q/k/v projection's rows."""
     cache, tables, seq_lens, chunks = random_case(LENGTHS, 3, 64, 16, torch.bfloat16,
