@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from peers_report import (PAGELLM_ARGS_FILE, STARTUP_INFIX, decode_log_name, machine_kind,
@@ -167,8 +167,8 @@ def sweep(args: argparse.Namespace, cap: int | None) -> list[Run]:
     # Each run draws its own prompts: with one seed, runs of as many prompts (c1 and c4) sent
     # the same ones, and a server that keeps its prefix cache across the sweep answered the
     # second run from it, where a peer restarted per run computed it again.
-    return [Run(run.label, [*run.flags, "--seed", str(index)], run.clients,
-                run.tokens_per_client) for index, run in enumerate(runs)]
+    return [replace(run, flags=[*run.flags, "--seed", str(index)])
+            for index, run in enumerate(runs)]
 
 
 def rate_run(args: argparse.Namespace) -> str:

@@ -128,3 +128,19 @@ def minilm_server() -> Iterator[RemoteServer]:
     from rag_utils import minilm_path
 
     yield from shared_server("minilm_server", minilm_path())
+
+
+@pytest.fixture
+def on_one_thread() -> Callable[..., object]:
+    """Calls a function with torch's intra-op pool at one thread, then restores the pool: a
+    kernel's results must not depend on how many threads share its work."""
+    import torch
+
+    def call(function: Callable[..., object], *args: object) -> object:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return function(*args)
+        finally:
+            torch.set_num_threads(threads)
+    return call

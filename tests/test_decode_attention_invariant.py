@@ -91,18 +91,14 @@ def test_each_length_alone_equals_it_in_a_batch(length):
     assert torch.equal(everyone[n:n + 1], alone)
 
 
-def test_rows_do_not_depend_on_how_many_threads_share_them():
+def test_rows_do_not_depend_on_how_many_threads_share_them(on_one_thread):
     """Each thread requests the blocks of its next (request, kv head) item ahead, wherever its
     range of items ends: one thread, then the pool (twice), give the same bits."""
     cache, tables, seq_lens, chunks = random_case(LENGTHS * 8, 3, 64, 16, torch.bfloat16,
                                                   torch.float32, 1, 4)
     query = torch.cat(chunks)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = paged_decode_attention_invariant(query, cache, tables, seq_lens, 0.125)
-    finally:
-        torch.set_num_threads(threads)
+    alone = on_one_thread(paged_decode_attention_invariant, query, cache, tables, seq_lens,
+                          0.125)
     for _ in range(2):
         assert torch.equal(paged_decode_attention_invariant(query, cache, tables, seq_lens,
                                                             0.125), alone)

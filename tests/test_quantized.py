@@ -242,15 +242,10 @@ def test_amx_tiles_give_the_avx2_kernels_results_exactly(tmp_path: Path) -> None
 
 
 @needs_int8
-def test_int8_products_do_not_depend_on_how_many_threads_share_them() -> None:
+def test_int8_products_do_not_depend_on_how_many_threads_share_them(on_one_thread) -> None:
     """A server's engine may run on fewer threads than a test's (VLLM_CPU_OMP_THREADS_BIND,
     data-parallel ranks): one thread, then the pool (twice), give the same bits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = int8_products()
-    finally:
-        torch.set_num_threads(threads)
+    alone = on_one_thread(int8_products)
     for _ in range(2):
         for shared, single in zip(int8_products(), alone, strict=True):
             assert torch.equal(shared, single)
