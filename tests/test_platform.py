@@ -70,11 +70,12 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("has_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
 def test_auto_on_an_int8_gguf_computes_in_float32(has_bf16: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 activations around the int8 projections, the KV cache in bf16 where the CPU
-    has it; anything asked for explicitly is kept."""
+    """float32 activations around the int8 projections and the KV cache in bf16, whether
+    the CPU has bf16 instructions or not (the same bits on either); anything asked for
+    explicitly is kept. Other models' `auto` follows the CPU."""
     monkeypatch.setattr(platform, "cpu_supports_bf16", lambda: has_bf16)
     low = torch.bfloat16 if has_bf16 else torch.float32
-    assert resolve_dtypes("auto", "auto", CPU, True) == (torch.float32, low)
+    assert resolve_dtypes("auto", "auto", CPU, True) == (torch.float32, torch.bfloat16)
     assert resolve_dtypes("auto", "fp8", CPU, True) == (torch.float32, torch.float8_e4m3fn)
     assert resolve_dtypes("bfloat16", "auto", CPU, True) == (torch.bfloat16, torch.bfloat16)
     assert resolve_dtypes("float32", "auto", CPU, True) == (torch.float32, torch.float32)
