@@ -110,11 +110,55 @@ inline void accumulate_rows(float* ot, const float* values, const float* p, cons
   }
 }
 
+// The cache lines of the next chunk's blocks (keys and values), requested a few at a time
+// between the steps of this chunk's arithmetic and into L2, not L1. This kernel's first form
+// requested each block's lines into L1 in one burst as it widened the block before: a
+// batch-64 step at 160 tokens of context then spent about as long waiting for the cache as
+// computing (30 ms; 15 without the widening). The chunk's scratch (64 keys as float32, their
+// transpose, the values) fills L1 by itself. Alternated in one process (AVX2 EPYC, batch 64,
+// 30 layers, ms a step at 160 and 1,000 tokens): no requests 44 and 324, spread into L1 30
+// and 202, spread into L2 25 and 181; the first form, in processes alternated with the last,
+// 34-39 against 24-31 and 210-262 against 165-202.
+struct LineRequests {
+  static constexpr int kMaxSpans = 16;  // keys and values of up to 8 blocks
+  const char* spans[kMaxSpans];
+  int64_t lines[kMaxSpans];
+  int count = 0, span = 0, ticks_left = 0;
+  int64_t line = 0, lines_left = 0;
+
+  // Starts a chunk of `ticks` calls to tick().
+  void start(int ticks) {
+    count = span = 0;
+    line = lines_left = 0;
+    ticks_left = ticks;
+  }
+  void add(const void* p, int64_t bytes) {
+    if (p == nullptr || count == kMaxSpans) return;
+    spans[count] = static_cast<const char*>(p);
+    lines[count] = (bytes + 63) / 64;
+    lines_left += lines[count++];
+  }
+  // Requests the share of the lines left that falls to one of the ticks left.
+  void tick() {
+    int64_t n = ticks_left > 1 ? (lines_left + ticks_left - 1) / ticks_left : lines_left;
+    ticks_left -= ticks_left > 0;
+    lines_left -= n;
+    for (; n > 0 && span < count; --n) {
+      __builtin_prefetch(spans[span] + 64 * line, 0, 2);  // into L2
+      if (++line == lines[span]) {
+        ++span;
+        line = 0;
+      }
+    }
+  }
+};
+
 // Per-item scratch, all float32. Per-row state is padded to whole vectors, so that its loops
 // run vector code only, as the prefill kernel's do over its padded rows. Buffers that every
 // item overwrites before reading are sized once per thread, not cleared per item.
 struct Scratch {
   std::vector<float> q, ot, keys, kt, values, scores, max, sum, correction, block_max;
+  LineRequests requests;
 
   void reset(int64_t group, int64_t rows, int64_t d, int64_t chunk_keys, int64_t block_size) {
     grow(q, group * d);
@@ -175,24 +219,11 @@ void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t o
   }
 }
 
-// widen(out, rows, n), requesting the same bytes of `next` (unless null) a cache line at a
-// time along the way: blocks lie anywhere in the cache, out of the hardware prefetchers'
-// reach, and requested in one burst a block's lines stall the core's queue of misses (see
-// paged_attention.cpp). Each block requests the block one chunk on, its keys as its own
-// keys are widened, its values as its own values are.
-template <typename C>
-inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
-  constexpr int64_t kLine = 64 / sizeof(C);
-  for (int64_t i = 0; i < n; i += kLine) {
-    if (next != nullptr) __builtin_prefetch(next + i);
-    widen(out + i, rows + i, std::min(kLine, n - i));
-  }
-}
-
 // An item's keys or values as the requests ahead see them: its blocks, then those of the
 // next item its thread attends, from the first it reads. Without the second part, each
 // item's first chunk of blocks was never requested ahead (at SmolLM2's 160 tokens of
-// context, a third of its blocks).
+// context, a third of its blocks). Blocks lie anywhere in the cache, out of the hardware
+// prefetchers' reach.
 template <typename C>
 struct BlockStream {
   const C* cache;  // the item's kv head: its keys or its values
@@ -223,19 +254,27 @@ void score_chunk(Scratch& w, const BlockStream<C>& keys, int64_t b0, int64_t blo
   for (int64_t k = 0; k < blocks; ++k) {
     const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
     float* rows = w.keys.data() + k * padded * d;
-    widen_prefetching(rows, keys.block(b), keys.ahead(b + blocks), count * d);
+    widen(rows, keys.block(b), count * d);
     std::fill(rows + count * d, rows + padded * d, 0.f);
   }
   for (int64_t j = 0; j < chunk; j += kWidth) {
     for (int64_t i = 0; i < d; i += kWidth) {
       transpose_tile(w.kt.data() + i * chunk + j, chunk, w.keys.data() + j * d + i, d);
     }
+    w.requests.tick();
   }
   int64_t r = 0;
   for (; r + 2 <= group; r += 2) {
     score_rows<2>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
+    w.requests.tick();
   }
   if (r < group) score_rows<1>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
+}
+
+// Ticks of a chunk's requests: one per vector of keys transposed and per two rows scored
+// (score_chunk), two per block (attend_item).
+inline int chunk_ticks(int64_t chunk, int64_t blocks, int64_t group) {
+  return static_cast<int>(chunk / kWidth + group / 2 + 2 * blocks);
 }
 
 void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64_t keys,
@@ -270,14 +309,21 @@ void attend_item(float* out, const float* query, const BlockStream<C>& keys,
   const float window_keys = window > 0 ? static_cast<float>(window) : INFINITY;
   for (int64_t b0 = lowest / bs; b0 < num_blocks; b0 += per_chunk) {
     const int64_t blocks = std::min(per_chunk, num_blocks - b0), chunk = blocks * padded;
+    w.requests.start(chunk_ticks(chunk, blocks, group));
+    for (int64_t k = 0; k < per_chunk; ++k) {  // the next chunk, maybe the next item's
+      w.requests.add(keys.ahead(b0 + per_chunk + k), bs * d * sizeof(C));
+      w.requests.add(values.ahead(b0 + per_chunk + k), bs * d * sizeof(C));
+    }
     score_chunk(w, keys, b0, blocks, padded, seq_len, group, d, bs);
     for (int64_t k = 0; k < blocks; ++k) {
       const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
-      widen_prefetching(w.values.data(), values.block(b), values.ahead(b + per_chunk), count * d);
+      widen(w.values.data(), values.block(b), count * d);
       fold_block(w, group, static_cast<int64_t>(w.max.size()), chunk, k * padded, count, padded,
                  static_cast<float>(b * bs), b * bs + count - 1 > position || b * bs < all_see,
                  static_cast<float>(position), window_keys);
+      w.requests.tick();
       accumulate_block(w, group, count, d, chunk, k * padded);
+      w.requests.tick();
     }
   }
   for (int64_t r = 0; r < group; ++r) {
