@@ -162,6 +162,23 @@ void fold_block(Scratch& w, int64_t rows, int64_t count, float first_key, bool m
   }
 }
 
+// Requests a block's keys and values (`n` values each from `offset`) into L2, where its
+// item reads them next: blocks lie anywhere in the cache, out of the hardware prefetchers'
+// reach, and an item of a decode's few rows computes too little per block to hide their
+// reading. Into L1, the chunk's scratch would push them out again. On the AVX2 EPYC, 64
+// decodes (a mixed step's) over 30 layers took 50 against 60 ms at 160 tokens of context and
+// 252 against 336 at 1,000 (alternated in one process); a 2,000-token prefill, 1.64 against
+// 1.70 s.
+template <typename C>
+inline void request_block(const C* keys, const C* values, int64_t offset, int64_t n) {
+  const char* k = reinterpret_cast<const char*>(keys + offset);
+  const char* v = reinterpret_cast<const char*>(values + offset);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(C)); i += 64) {
+    __builtin_prefetch(k + i, 0, 2);
+    __builtin_prefetch(v + i, 0, 2);
+  }
+}
+
 // An item of up to kWidth rows (a decode's query heads, a short chunk) takes tiles one
 // vector wide, larger ones two.
 template <typename C, int kVecs>
@@ -188,6 +205,7 @@ void attend_item(float* out, const float* query, const C* keys, const C* values,
   const float window_keys = window > 0 ? static_cast<float>(window) : INFINITY;
   for (int64_t b = lowest / bs; b * bs < visible; ++b) {
     const int64_t count = std::min(bs, visible - b * bs), slot = table[b] * bs;
+    if ((b + 1) * bs < visible) request_block(keys, values, table[b + 1] * bs * d, bs * d);
     widen(w.keys.data(), keys + slot * d, count * d);
     widen(w.values.data(), values + slot * d, count * d);
     std::fill(w.keys.begin() + count * d, w.keys.end(), 0.f);
