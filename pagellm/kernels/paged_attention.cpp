@@ -68,9 +68,9 @@ inline int64_t first_visible_key(int64_t seq_len, int64_t window) {
 // widen(out, rows, n) (unless out is null), requesting the same bytes of `next` (unless
 // null) a cache line at a time along the way, into L2. Requested all at once, a block's 64
 // lines filled the core's queue of misses and stalled it, then left memory idle while the
-// block was computed on. Into L1, the scratch of the blocks between
-// pushed them out again: batch 64 at 1,000 tokens of context, 30 layers, 334-384 against
-// 444-489 ms a step (bf16 cache, processes alternated, an AVX2 EPYC).
+// block was computed on. Into L1, the scratch of the blocks between pushed them out again:
+// batch 64 at 1,000 tokens of context, 30 layers, 334-384 against 444-489 ms a step (bf16
+// cache, processes alternated, an AVX2 EPYC).
 template <typename C>
 inline void widen_prefetching(float* out, const C* rows, const C* next, int64_t n) {
   constexpr int64_t kLine = 64 / sizeof(C);
