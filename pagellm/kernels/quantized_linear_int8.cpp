@@ -81,11 +81,12 @@ struct Int8Panel {
 // codes and factors. A thread reads its panels in one sequence (codes, scales and zeros
 // each), yet left to the hardware prefetchers, which start afresh at each call and each
 // 4 KiB page, SmolLM2's 121 projections of a one-row step read their 98 MB at 21-25 GB/s,
-// where 2 threads can read 31 (benchmarks/memory_roof.py). Requested 4 KiB ahead: 3.7 against 4.4 ms for
-// the 121 (medians of 300 passes, alternated in one process; an AVX2 EPYC).
+// where 2 threads can read 31 (benchmarks/memory_roof.py). Requested 4 KiB ahead: 3.7
+// against 4.4 ms for the 121 (medians of 300 passes, alternated in one process; an AVX2
+// EPYC; 1, 2 and 8 KiB ahead did less).
 constexpr int64_t kCodesAhead = 4096, kFactorsAhead = 512;
 
-// Requests the lines of one group's codes and factors `ahead` of group g's.
+// Requests the lines kCodesAhead past group g's codes and kFactorsAhead past its factors.
 template <typename Codes, int kGroupSize, typename S>
 __attribute__((always_inline)) inline void request_ahead(const Int8Panel<Codes, S>& panel,
                                                          int64_t g) {
