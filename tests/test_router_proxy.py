@@ -132,8 +132,10 @@ def test_client_leaving_before_the_first_chunk_cancels_the_attempt(
     a.reset(first_chunk_delay_s=60)
     b.reset(first_chunk_delay_s=60)
     with RouterServer(gateway_config(a, b, ext)) as router:
+        # 3 s: enough for the router to have forwarded the request even on a loaded 2-core
+        # machine (with 0.5 s, a CI run once saw the client leave before any backend had it)
         with pytest.raises(openai.APITimeoutError):
-            router.client(timeout=0.5).chat.completions.create(
+            router.client(timeout=3.0).chat.completions.create(
                 model="local", max_tokens=2, stream=True,
                 messages=[{"role": "user", "content": "hi"}])
         # the router gave the attempt up with its client, long before the backend answers
