@@ -4,6 +4,7 @@ decode attention kernel is tested in test_attention.py.)"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,18 @@ def test_a_build_killed_half_way_does_not_block_the_next_start(monkeypatch: pyte
     (folder / "lock").touch()
     assert kernels.cpu_kernels_available.__wrapped__()
     assert built_in == [folder]
+
+
+def test_every_header_the_kernels_include_counts_in_the_builds_name():
+    """A header left out of the build's name would leave a changed kernel unbuilt: the old
+    library loads under the old name."""
+    from pagellm.kernels import build
+
+    folder = Path(build.__file__).parent
+    included = {name for path in [*folder.glob("*.cpp"), *folder.glob("*.h")]
+                for name in re.findall(r'#include "([^"]+\.h)"', path.read_text())}
+    assert included
+    assert included <= {path.name for path in build._HEADERS}
 
 
 def test_a_built_library_loads_without_the_build_step(monkeypatch: pytest.MonkeyPatch):

@@ -62,11 +62,8 @@ ON_DEMAND_UNITS = (
 ON_DEMAND_DEFINES = ("PAGELLM_OTHER_CACHE_DTYPES",)
 _SOURCES = sorted({_HERE / name for unit in (*DEFAULT_UNITS, *ON_DEMAND_UNITS)
                    for name in unit})
-_HEADERS = [_HERE / name for name in ("vectorizable.h", "float_vectors.h", "float_transpose.h",
-                                      "quantized_linear.h", "int8_group_sums.h", "int8_rows.h",
-                                      "attention_scores.h", "amx_tiles.h",
-                                      "tensor_dispatch.h", "cache_types.h",
-                                      "decode_attention_invariant.h")]
+# Every header here, so that a new one counts in the build's name without a list to extend.
+_HEADERS = sorted(_HERE.glob("*.h"))
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the
 # libgomp.so.1 torch has already loaded. -fno-trapping-math (torch builds with it too): with
 # FP traps assumed, GCC keeps any loop holding a float comparison scalar on AVX2, such as
