@@ -8,14 +8,16 @@
 // query heads as rows (3 of SmolLM2's 16 lanes), so most of its lanes idle. Here the lanes
 // hold whatever is independent instead, while every row still runs the prefill kernel's
 // operations in its order:
-//   - scores: KEYS along the lanes. A block's keys are widened, then transposed (Kt [head_dim,
-//     keys]) so that each lane runs its key's chain fma(key[i], qscaled[i], acc), i = 0..d-1
-//     from 0, with the query dim broadcast; several blocks' scores are computed at once for
-//     independent chains (scores do not depend on the softmax's state);
+//   - scores: KEYS along the lanes. A block's keys are widened and transposed (Kt [head_dim,
+//     keys]; bf16 ones in one pass, bf16_widening.h) so that each lane runs its key's chain
+//     fma(key[i], qscaled[i], acc), i = 0..d-1 from 0, with the query dim broadcast; several
+//     blocks' scores are computed at once for independent chains (scores do not depend on
+//     the softmax's state);
 //   - softmax: per row and block, the same masking, exact maximum, correction, exponentials
 //     (exp_nonpositive, vectorized over keys instead of rows) and sequential sum over keys;
 //   - output: DIMS along the lanes: ot = ot * correction, then fma(value[j][i], p[j], acc)
-//     over the block's keys j ascending, p[j] broadcast.
+//     over the block's keys j ascending, p[j] broadcast (bf16 values widen with their dims
+//     reordered, which the output undoes).
 // Blocks are folded one at a time in ascending order, from the first that the window reaches,
 // as the prefill kernel folds them. Everything computes in float32; queries and output are
 // float32 too, as the prefill kernel's (the wrapper widens and rounds other dtypes).
@@ -24,12 +26,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "bf16_widening.h"
 #include "decode_attention_invariant.h"
+#include "decode_attention_reads.h"
+#include "decode_attention_tiles.h"
 #include "float_transpose.h"
 #include "float_vectors.h"
 #include "vectorizable.h"
@@ -45,113 +51,6 @@ using namespace pagellm::float_vectors;
 // Keys scored per pass: enough key vectors for independent FMA chains (a block of 16 keys is
 // one vector on AVX512, and a chain's FMAs wait on each other).
 constexpr int64_t kChunkKeys = 64;
-
-// s[r][t * kWidth + lane] = the chain fma(kt[i][..], q[r][i], acc) over i = 0..d-1 from 0, for
-// kRows rows and kTiles vectors of keys: the prefill kernel's chain for that (row, key).
-template <int kRows, int kTiles>
-inline void score_tile(float* s, const float* kt, const float* q, int64_t d, int64_t keys) {
-  Vec acc[kRows][kTiles];
-  for (auto& row : acc) {
-    for (auto& v : row) v = zero_vec();
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    Vec key[kTiles];
-    for (int t = 0; t < kTiles; ++t) key[t] = load_vec(kt + i * keys + t * kWidth);
-    for (int r = 0; r < kRows; ++r) {
-      const Vec qi = broadcast(q + r * d + i);
-      for (int t = 0; t < kTiles; ++t) acc[r][t] = fmadd(key[t], qi, acc[r][t]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    for (int t = 0; t < kTiles; ++t) store_vec(s + r * keys + t * kWidth, acc[r][t]);
-  }
-}
-
-template <int kRows>
-inline void score_rows(float* s, const float* kt, const float* q, int64_t d, int64_t keys) {
-  int64_t k = 0;
-  for (; k + 4 * kWidth <= keys; k += 4 * kWidth) score_tile<kRows, 4>(s + k, kt + k, q, d, keys);
-  for (; k + 2 * kWidth <= keys; k += 2 * kWidth) score_tile<kRows, 2>(s + k, kt + k, q, d, keys);
-  for (; k < keys; k += kWidth) score_tile<kRows, 1>(s + k, kt + k, q, d, keys);
-}
-
-// ot[r][i0..) = ot[r][i0..) * correction[r], then fma(values[j][i0..], p[r][j], acc) for the
-// block's keys j ascending: the prefill kernel's accumulate_tile with dims along the lanes.
-template <int kRows, int kVecs>
-inline void accumulate_tile(float* ot, const float* values, const float* p, const float* correction,
-                            int64_t count, int64_t d, int64_t keys) {
-  Vec acc[kRows][kVecs];
-  for (int r = 0; r < kRows; ++r) {
-    const Vec c = broadcast(correction + r);
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = mul(load_vec(ot + r * d + v * kWidth), c);
-  }
-  for (int64_t j = 0; j < count; ++j) {
-    Vec value[kVecs];
-    for (int v = 0; v < kVecs; ++v) value[v] = load_vec(values + j * d + v * kWidth);
-    for (int r = 0; r < kRows; ++r) {
-      const Vec pj = broadcast(p + r * keys + j);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = fmadd(value[v], pj, acc[r][v]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kVecs; ++v) store_vec(ot + r * d + v * kWidth, acc[r][v]);
-  }
-}
-
-template <int kRows>
-inline void accumulate_rows(float* ot, const float* values, const float* p, const float* correction,
-                            int64_t count, int64_t d, int64_t keys) {
-  int64_t i = 0;
-  for (; i + 4 * kWidth <= d; i += 4 * kWidth) {
-    accumulate_tile<kRows, 4>(ot + i, values + i, p, correction, count, d, keys);
-  }
-  for (; i < d; i += kWidth) {
-    accumulate_tile<kRows, 1>(ot + i, values + i, p, correction, count, d, keys);
-  }
-}
-
-// The cache lines of the next chunk's blocks (keys and values), requested a few at a time
-// between the steps of this chunk's arithmetic and into L2, not L1. This kernel's first form
-// requested each block's lines into L1 in one burst as it widened the block before: a
-// batch-64 step at 160 tokens of context then spent about as long waiting for the cache as
-// computing (30 ms; 15 without the widening). The chunk's scratch (64 keys as float32, their
-// transpose, the values) fills L1 by itself. Alternated in one process (AVX2 EPYC, batch 64,
-// 30 layers, ms a step at 160 and 1,000 tokens): no requests 44 and 324, spread into L1 30
-// and 202, spread into L2 25 and 181; the first form, in processes alternated with the last,
-// 34-39 against 24-31 and 210-262 against 165-202.
-struct LineRequests {
-  static constexpr int kMaxSpans = 16;  // keys and values of up to 8 blocks
-  const char* spans[kMaxSpans];
-  int64_t lines[kMaxSpans];
-  int count = 0, span = 0, ticks_left = 0;
-  int64_t line = 0, lines_left = 0;
-
-  // Starts a chunk of `ticks` calls to tick().
-  void start(int ticks) {
-    count = span = 0;
-    line = lines_left = 0;
-    ticks_left = ticks;
-  }
-  void add(const void* p, int64_t bytes) {
-    if (p == nullptr || count == kMaxSpans) return;
-    spans[count] = static_cast<const char*>(p);
-    lines[count] = (bytes + 63) / 64;
-    lines_left += lines[count++];
-  }
-  // Requests the share of the lines left that falls to one of the ticks left.
-  void tick() {
-    int64_t n = ticks_left > 1 ? (lines_left + ticks_left - 1) / ticks_left : lines_left;
-    ticks_left -= ticks_left > 0;
-    lines_left -= n;
-    for (; n > 0 && span < count; --n) {
-      __builtin_prefetch(spans[span] + 64 * line, 0, 2);  // into L2
-      if (++line == lines[span]) {
-        ++span;
-        line = 0;
-      }
-    }
-  }
-};
 
 // Per-item scratch, all float32. Per-row state is padded to whole vectors, so that its loops
 // run vector code only, as the prefill kernel's do over its padded rows. Buffers that every
@@ -219,38 +118,43 @@ void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t o
   }
 }
 
-// An item's keys or values as the requests ahead see them: its blocks, then those of the
-// next item its thread attends, from the first it reads. Without the second part, each
-// item's first chunk of blocks was never requested ahead (at SmolLM2's 160 tokens of
-// context, a third of its blocks). Blocks lie anywhere in the cache, out of the hardware
-// prefetchers' reach.
+// Whether keys and values take bf16_widening's forms: bf16 ones, whole 16s of dims a row.
+// Values then widen with their dims reordered within each 16 (widen_paired), which an
+// item's output undoes: each dim's chain is the same wherever its lane.
 template <typename C>
-struct BlockStream {
-  const C* cache;  // the item's kv head: its keys or its values
-  const int64_t* table;
-  int64_t end;  // past the item's last block
-  const C* next_cache;  // the next item's, or null
-  const int64_t* next_table;
-  int64_t next_first, next_end;
-  int64_t block_elements;
+inline bool widens_paired(int64_t d) {
+  return std::is_same_v<C, c10::BFloat16> && d % 16 == 0;
+}
 
-  const C* block(int64_t b) const { return cache + table[b] * block_elements; }
-
-  // The cache rows of block b, counting on past this item into the next; null past both.
-  const C* ahead(int64_t b) const {
-    if (b < end) return block(b);
-    b += next_first - end;
-    return next_cache != nullptr && b < next_end ? next_cache + next_table[b] * block_elements
-                                                 : nullptr;
+// A block's `count` value rows as float32, in widens_paired's order where it applies.
+template <typename C>
+inline void widen_values(float* out, const C* rows, int64_t count, int64_t d) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    if (widens_paired<C>(d)) return bf16_widening::widen_paired(out, rows, count * d);
   }
-};
+  widen(out, rows, count * d);
+}
 
-// Widens the keys of `blocks` blocks from b0 into rows of `padded` keys, transposes them into
-// kt [d, blocks * padded], and scores every row of the group against them.
+// kt [d, blocks * padded] = the keys of `blocks` blocks from b0, widened and transposed
+// (zeros past each block's last key), one tick per vector of keys.
 template <typename C>
-void score_chunk(Scratch& w, const BlockStream<C>& keys, int64_t b0, int64_t blocks,
-                 int64_t padded, int64_t seq_len, int64_t group, int64_t d, int64_t bs) {
+void widen_transposed(Scratch& w, const BlockStream<C>& keys, int64_t b0, int64_t blocks,
+                      int64_t padded, int64_t seq_len, int64_t d, int64_t bs) {
   const int64_t chunk = blocks * padded;
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    if (widens_paired<C>(d)) {
+      for (int64_t j = 0; j < chunk; j += 8) {
+        const int64_t b = b0 + j / padded, key = j % padded;
+        const int64_t count = std::min(bs, seq_len - b * bs) - key;
+        for (int64_t i = 0; i < d; i += 16) {
+          bf16_widening::widen_transpose_8x16(w.kt.data() + i * chunk + j, chunk,
+                                              keys.block(b) + key * d + i, d, count);
+        }
+        if ((j + 8) % kWidth == 0) w.requests.tick();
+      }
+      return;
+    }
+  }
   for (int64_t k = 0; k < blocks; ++k) {
     const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
     float* rows = w.keys.data() + k * padded * d;
@@ -263,31 +167,33 @@ void score_chunk(Scratch& w, const BlockStream<C>& keys, int64_t b0, int64_t blo
     }
     w.requests.tick();
   }
-  int64_t r = 0;
-  for (; r + 2 <= group; r += 2) {
-    score_rows<2>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
-    w.requests.tick();
-  }
-  if (r < group) score_rows<1>(w.scores.data() + r * chunk, w.kt.data(), w.q.data() + r * d, d, chunk);
 }
 
-// Ticks of a chunk's requests: one per vector of keys transposed and per two rows scored
+// Scores every row of the group against the keys of `blocks` blocks from b0.
+template <typename C>
+void score_chunk(Scratch& w, const BlockStream<C>& keys, int64_t b0, int64_t blocks,
+                 int64_t padded, int64_t seq_len, int64_t group, int64_t d, int64_t bs) {
+  const int64_t chunk = blocks * padded;
+  widen_transposed(w, keys, b0, blocks, padded, seq_len, d, bs);
+  in_row_passes(group, [&](int64_t r, auto rows) {
+    score_rows<decltype(rows)::value>(w.scores.data() + r * chunk, w.kt.data(),
+                                      w.q.data() + r * d, d, chunk);
+    w.requests.tick();
+  });
+}
+
+// Ticks of a chunk's requests: one per vector of keys transposed and per pass of rows scored
 // (score_chunk), two per block (attend_item).
 inline int chunk_ticks(int64_t chunk, int64_t blocks, int64_t group) {
-  return static_cast<int>(chunk / kWidth + group / 2 + 2 * blocks);
+  return static_cast<int>(chunk / kWidth + row_passes(group) + 2 * blocks);
 }
 
 void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64_t keys,
                       int64_t offset) {
-  int64_t r = 0;
-  for (; r + 2 <= group; r += 2) {
-    accumulate_rows<2>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
-                       w.correction.data() + r, count, d, keys);
-  }
-  if (r < group) {
-    accumulate_rows<1>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
-                       w.correction.data() + r, count, d, keys);
-  }
+  in_row_passes(group, [&](int64_t r, auto rows) {
+    accumulate_rows<decltype(rows)::value>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
+                          w.correction.data() + r, count, d, keys);
+  });
 }
 
 // One (request, kv head): its query heads' attention at position seq_len - 1.
@@ -317,7 +223,7 @@ void attend_item(float* out, const float* query, const BlockStream<C>& keys,
     score_chunk(w, keys, b0, blocks, padded, seq_len, group, d, bs);
     for (int64_t k = 0; k < blocks; ++k) {
       const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
-      widen(w.values.data(), values.block(b), count * d);
+      widen_values(w.values.data(), values.block(b), count, d);
       fold_block(w, group, static_cast<int64_t>(w.max.size()), chunk, k * padded, count, padded,
                  static_cast<float>(b * bs), b * bs + count - 1 > position || b * bs < all_see,
                  static_cast<float>(position), window_keys);
@@ -328,7 +234,11 @@ void attend_item(float* out, const float* query, const BlockStream<C>& keys,
   }
   for (int64_t r = 0; r < group; ++r) {
     const float inverse = 1.f / w.sum[r];
-    for (int64_t i = 0; i < d; ++i) out[r * d + i] = w.ot[r * d + i] * inverse;
+    const bool paired = widens_paired<C>(d);
+    for (int64_t i = 0; i < d; ++i) {
+      const int64_t dim = paired ? i - i % 16 + bf16_widening::kPairedDim[i % 16] : i;
+      out[r * d + dim] = w.ot[r * d + i] * inverse;
+    }
   }
 }
 
