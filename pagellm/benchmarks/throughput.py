@@ -93,6 +93,11 @@ def start_decoding(llm: LLM, prompts: list[list[int]], steps: int) -> list[str]:
     its first token, so that each of the next `steps` steps decodes the whole batch; returns
     their request ids."""
     engine = llm.engine
+    # Each prompt computed once first, so that the requests below find it in the prefix cache
+    # and the whole batch decodes within a step or two. Otherwise a large batch of long
+    # prompts (256 of 1,000 tokens) took so many chunked steps that its first requests had
+    # decoded their tokens and finished before its last ones started.
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
@@ -115,6 +120,9 @@ def time_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[fl
     contexts = sum(r.num_computed_tokens + 1 for r in scheduler.running)
     start = time.perf_counter()
     for _ in range(steps):
+        if len(scheduler.running) != len(prompts) or scheduler.waiting:
+            raise RuntimeError(f"{len(scheduler.running)} of {len(prompts)} requests decoding: "
+                               "the KV cache or max_num_seqs is too small for this batch")
         engine.step()
     seconds = (time.perf_counter() - start) / steps
     engine.abort_request(ids)
