@@ -77,6 +77,20 @@ struct Scratch {
   }
 };
 
+// The largest of start and the `padded` scores (a whole number of vectors) of a row, as
+// std::max(largest, score) over them. Exact, so its order does not matter (signed zeros
+// aside, which exp sees alike); vmaxps(score, largest) keeps largest where the score is NaN,
+// as std::max does. GCC compiled the omp simd reduction this replaces as a scalar chain.
+inline float row_max(const float* row, int64_t padded, float start) {
+  Vec largest = broadcast(&start);
+  for (int64_t j = 0; j < padded; j += kWidth) largest = max_vec(load_vec(row + j), largest);
+  float lanes[kWidth];
+  store_vec(lanes, largest);
+  float result = start;
+  for (float lane : lanes) result = std::max(result, lane);
+  return result;
+}
+
 // One block's softmax step for each row, on its scores at `offset` of the rows' score lines
 // (`count` keys from position `first_key`, then padding up to `padded`): the prefill kernel's
 // fold_block, with keys instead of rows along the lanes. Leaves the weights in place of the
@@ -92,11 +106,7 @@ void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t o
       const float key = first_key + static_cast<float>(j);
       row[j] = masked && (key > position || key <= position - window) ? -INFINITY : row[j];
     }
-    // exact, so its order does not matter (signed zeros aside, which exp sees alike)
-    float mx = w.max[r];
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < padded; ++j) mx = std::max(mx, row[j]);
-    w.block_max[r] = mx;
+    w.block_max[r] = row_max(row, padded, w.max[r]);
   }
   float *mx = w.block_max.data(), *m = w.max.data(), *l = w.sum.data();
 #pragma omp simd

@@ -19,6 +19,7 @@ inline Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec zero_vec() { return _mm512_setzero_ps(); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec max_vec(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 #else
 using Vec = __m256;
 constexpr int64_t kWidth = 8;
@@ -28,6 +29,7 @@ inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec zero_vec() { return _mm256_setzero_ps(); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec max_vec(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 #endif
 
 }  // namespace pagellm::float_vectors
