@@ -201,8 +201,9 @@ inline int chunk_ticks(int64_t chunk, int64_t blocks, int64_t group) {
 void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64_t keys,
                       int64_t offset) {
   in_row_passes(group, [&](int64_t r, auto rows) {
-    accumulate_rows<decltype(rows)::value>(w.ot.data() + r * d, w.values.data(), w.scores.data() + r * keys + offset,
-                          w.correction.data() + r, count, d, keys);
+    accumulate_rows<decltype(rows)::value>(w.ot.data() + r * d, w.values.data(),
+                                           w.scores.data() + r * keys + offset,
+                                           w.correction.data() + r, count, d, keys);
   });
 }
 
