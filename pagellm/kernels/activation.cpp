@@ -3,14 +3,14 @@
 // of three ops. Rounds where the torch ops round: the activation's result to the activation
 // dtype, then the product.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "layer_ops.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -59,11 +59,12 @@ void run(T* out, const T* gate_up, int64_t rows, int64_t size, int64_t in_stride
 
 // out: [T, I]; gate_up: [T, 2I] with contiguous rows, gate in the first half.
 template <typename Activation>
-void activation_and_mul(at::Tensor& out, const at::Tensor& gate_up, const char* name) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
-                  out.is_contiguous() && out.size(0) == gate_up.size(0) &&
-                  out.size(1) * 2 == gate_up.size(1) && out.scalar_type() == gate_up.scalar_type(),
-              name, " expects out [T, I] and gate_up [T, 2I] of one dtype");
+void activation_and_mul(Tensor& out, const Tensor& gate_up, const char* name) {
+  PAGELLM_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
+                    out.is_contiguous() && out.size(0) == gate_up.size(0) &&
+                    out.size(1) * 2 == gate_up.size(1) &&
+                    out.scalar_type() == gate_up.scalar_type(),
+                name, " expects out [T, I] and gate_up [T, 2I] of one dtype");
   const int64_t rows = gate_up.size(0), size = out.size(1), stride = gate_up.stride(0);
   pagellm::dispatch_dtype(gate_up, name, [&](auto tag) {
     using T = decltype(tag);
@@ -72,23 +73,24 @@ void activation_and_mul(at::Tensor& out, const at::Tensor& gate_up, const char* 
   });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+}  // namespace
+
+void silu_and_mul(Tensor out, const Tensor& gate_up) {
   activation_and_mul<Silu>(out, gate_up, "silu_and_mul");
 }
 
-void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+void gelu_tanh_and_mul(Tensor out, const Tensor& gate_up) {
   activation_and_mul<GeluTanh>(out, gate_up, "gelu_tanh_and_mul");
 }
 
-}  // namespace
 }  // namespace pagellm::kernels::activation
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("silu_and_mul", &pagellm::kernels::activation::silu_and_mul);
-  m.impl("gelu_tanh_and_mul", &pagellm::kernels::activation::gelu_tanh_and_mul);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("silu_and_mul", TORCH_BOX(&pagellm::kernels::activation::silu_and_mul));
+  m.impl("gelu_tanh_and_mul", TORCH_BOX(&pagellm::kernels::activation::gelu_tanh_and_mul));
 }

@@ -4,12 +4,11 @@
 // float32, bf16 or fp16 logits, compared as float32 (exact): a greedy step of a bf16 model
 // needs no float32 copy of them.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -52,11 +51,11 @@ int64_t argmax_row(const T* row, int64_t n) {
 }
 
 // out: [R] int64; logits: [R, V] float32, bf16 or fp16, contiguous.
-void argmax_rows(at::Tensor out, const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && out.dim() == 1 &&
-                  out.scalar_type() == at::kLong && out.size(0) == logits.size(0) &&
-                  out.is_contiguous(),
-              "argmax_rows expects logits [R, V] and out int64 [R]");
+void argmax_rows(Tensor out, const Tensor& logits) {
+  PAGELLM_CHECK(logits.dim() == 2 && logits.is_contiguous() && out.dim() == 1 &&
+                    out.scalar_type() == ScalarType::Long && out.size(0) == logits.size(0) &&
+                    out.is_contiguous(),
+                "argmax_rows expects logits [R, V] and out int64 [R]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   int64_t* indices = out.mutable_data_ptr<int64_t>();
   pagellm::dispatch_dtype(logits, "argmax_rows", [&](auto tag) {
@@ -71,6 +70,10 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits) {
 }  // namespace
 }  // namespace pagellm::kernels::argmax
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) { m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()"); }
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+}
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("argmax_rows", &pagellm::kernels::argmax::argmax_rows); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("argmax_rows", TORCH_BOX(&pagellm::kernels::argmax::argmax_rows));
+}

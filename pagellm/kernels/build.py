@@ -25,18 +25,17 @@ logger = init_logger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as two translation units side by side, each including its kernel files: torch's
-# tensor and registration headers take 3-4 s of a unit's compile, paid once per unit
-# instead of once per file, and the two units build at once on two cores. Every file keeps
-# its internals in a namespace of its own (pagellm::kernels::<file> or
-# pagellm::quantized::<kind>) so that they can share one. The default serving path's
-# kernels are one library, built at a first start; those only some configurations call are
-# another, built when one first needs them (ON_DEMAND_UNITS). The int8 kernel, its AMX form
-# and the invariant decode attention include none of torch's tensor headers (their ops,
-# which check the tensors and hand their pointers over, are the *_op.cpp files of the other
-# unit): their unit parses none, and the two units take 9.3-9.7 and 9.5-9.7 s side by side
-# (-O3, a 2-core Xeon with AMX; 8.5-8.8 and 10.7-11.0 with the decode attention in the
-# other unit, 11.6-12.5 s alone for the int8 files parsing those headers). Each template
-# instantiation costs a first start seconds: the kernels instantiate only what this CPU runs
+# headers are parsed once per unit instead of once per file, and the two units build at
+# once on two cores. Every file keeps its internals in a namespace of its own
+# (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they can share one. The
+# default serving path's kernels are one library, built at a first start; those only some
+# configurations call are another, built when one first needs them (ON_DEMAND_UNITS). The
+# int8 kernel, its AMX form and the invariant decode attention include none of torch's
+# tensor headers (their ops, which check the tensors and hand their pointers over, are the
+# *_op.cpp files of the other unit), and the ops use torch's stable ABI (stable_ops.h),
+# whose headers parse in 2 s where torch/library.h took 6: on a 2-core AMD EPYC the ops'
+# unit takes 8.1 s alone (14.0 s with torch/library.h) and the kernels' 9.1-10.2. Each
+# template instantiation costs a first start seconds: the kernels instantiate only what this CPU runs
 # (the int8 kernel's instructions of one instruction set), what changes their arithmetic
 # (attention computes float32 queries; the wrappers widen others) and the default
 # configurations' KV caches (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype).

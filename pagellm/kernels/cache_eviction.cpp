@@ -3,10 +3,10 @@
 // whole model does. On a CPU whose last-level cache holds all 30 layers of a shape (480 MiB
 // on the AMX Xeon), repeated timings would read them from cache and favour the form with
 // more bytes. Built only where the compiler targets clflushopt; Python checks for the op.
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
-
 #include <cstdint>
+#include <vector>
+
+#include "stable_ops.h"
 
 #ifdef __CLFLUSHOPT__
 #include <immintrin.h>
@@ -17,8 +17,8 @@ namespace {
 constexpr int64_t kLine = 64;
 
 // Byte ranges rather than tensors: oneDNN's packed weights have no storage to take.
-void evict_from_cache(at::IntArrayRef starts, at::IntArrayRef sizes) {
-  TORCH_CHECK(starts.size() == sizes.size(), "evict_from_cache: one size per start");
+void evict_from_cache(const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
+  PAGELLM_CHECK(starts.size() == sizes.size(), "evict_from_cache: one size per start");
   for (size_t i = 0; i < starts.size(); ++i) {
     auto* bytes = reinterpret_cast<char*>(static_cast<uintptr_t>(starts[i]));
     for (int64_t at = 0; at < sizes[i]; at += kLine) _mm_clflushopt(bytes + at);
@@ -29,8 +29,13 @@ void evict_from_cache(at::IntArrayRef starts, at::IntArrayRef sizes) {
 }  // namespace
 }  // namespace pagellm::kernels::cache_eviction
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("evict_from_cache(int[] starts, int[] sizes) -> ()", &pagellm::kernels::cache_eviction::evict_from_cache);
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("evict_from_cache(int[] starts, int[] sizes) -> ()");
+}
+
+// No tensor arguments to dispatch on: one kernel for every backend.
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CompositeExplicitAutograd, m) {
+  m.impl("evict_from_cache", TORCH_BOX(&pagellm::kernels::cache_eviction::evict_from_cache));
 }
 
 #endif

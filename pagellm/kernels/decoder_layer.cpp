@@ -2,78 +2,61 @@
 //
 // At one decoding request, a layer's kernels take about 70 us and the Python that calls them
 // (module calls, wrappers, views: about a dozen operator calls) about 95 us more: 3 ms of a
-// 14 ms step on SmolLM2's 30 layers. These two ops run the same registered ops, in the same
-// order on the same tensors, from C++ (pagellm/model/fused_layer.py calls them), so the
-// results are the very bits of the modules' path:
+// 14 ms step on SmolLM2's 30 layers. These two ops call the functions of the same registered
+// ops (layer_ops.h), in the same order on the same tensors, from C++ (pagellm/model/
+// fused_layer.py calls them), so the results are the very bits of the modules' path:
 //   attention_input:  residual += x; x = rms_norm(residual) * w; qkv = int8 matmul(x);
 //                     rotate the queries' and keys' heads of qkv by `angles`; -> qkv
 //   attention_output: o = int8 matmul(attention); residual += o; o = rms_norm(residual) * w;
 //                     -> down(silu(gate) * up) of o, gate and up one int8 matmul
 // The attention itself stays in Python (its step metadata chooses among the kernels).
-#include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "layer_ops.h"
+#include "stable_ops.h"
 
 #include <cstdint>
-#include <vector>
 
 #ifdef __AVX2__
 
 namespace pagellm::kernels::decoder_layer {
 namespace {
 
-// A registered pagellm op (looked up once by each caller's static).
-c10::OperatorHandle op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+using torch::stable::new_empty;
+
+void int8_matmul(const Tensor& y, const Tensor& x, const Tensor& codes, const Tensor& scales,
+                 const Tensor& zeros) {
+  pagellm::quantized::int8::quantized_linear_int8(
+      y, x.is_contiguous() ? x : torch::stable::contiguous(x), codes, scales, zeros);
 }
 
-void call(const c10::OperatorHandle& handle, std::vector<c10::IValue> args) {
-  handle.callBoxed(&args);
-}
-
-void int8_matmul(const at::Tensor& y, const at::Tensor& x, const at::Tensor& codes,
-                 const at::Tensor& scales, const at::Tensor& zeros) {
-  static const c10::OperatorHandle matmul = op("pagellm::quantized_linear_int8");
-  call(matmul, {y, x.contiguous(), codes, scales, zeros});
-}
-
-void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                  double eps) {
-  static const c10::OperatorHandle norm = op("pagellm::add_rms_norm");
-  call(norm, {x, residual, weight, eps});
-}
-
-at::Tensor attention_input(const at::Tensor& x, const at::Tensor& residual,
-                           const at::Tensor& norm_weight, double eps, const at::Tensor& codes,
-                           const at::Tensor& scales, const at::Tensor& zeros, int64_t features,
-                           const at::Tensor& angles, int64_t rotated_width, int64_t head_dim) {
-  static const c10::OperatorHandle rotary = op("pagellm::rotary_embedding");
-  add_rms_norm(x, residual, norm_weight, eps);
+Tensor attention_input(Tensor x, Tensor residual, const Tensor& norm_weight, double eps,
+                       const Tensor& codes, const Tensor& scales, const Tensor& zeros,
+                       int64_t features, const Tensor& angles, int64_t rotated_width,
+                       int64_t head_dim) {
+  rms_norm::add_rms_norm(x, residual, norm_weight, eps);
   const int64_t tokens = x.size(0);
-  at::Tensor qkv = at::empty({tokens, features}, x.options());
+  Tensor qkv = new_empty(x, {tokens, features});
   int8_matmul(qkv, x, codes, scales, zeros);
-  call(rotary, {qkv.narrow(1, 0, rotated_width).view({tokens, -1, head_dim}), angles});
+  const Tensor rotated = torch::stable::narrow(qkv, 1, 0, rotated_width);
+  rotary_embedding::rotary_embedding(torch::stable::view(rotated, {tokens, -1, head_dim}),
+                                     angles);
   return qkv;
 }
 
-at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& residual,
-                            const at::Tensor& o_codes, const at::Tensor& o_scales,
-                            const at::Tensor& o_zeros, const at::Tensor& norm_weight, double eps,
-                            const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
-                            const at::Tensor& gate_up_zeros, int64_t intermediate,
-                            const at::Tensor& down_codes, const at::Tensor& down_scales,
-                            const at::Tensor& down_zeros) {
-  static const c10::OperatorHandle silu_and_mul = op("pagellm::silu_and_mul");
+Tensor attention_output(const Tensor& attention, Tensor residual, const Tensor& o_codes,
+                        const Tensor& o_scales, const Tensor& o_zeros,
+                        const Tensor& norm_weight, double eps, const Tensor& gate_up_codes,
+                        const Tensor& gate_up_scales, const Tensor& gate_up_zeros,
+                        int64_t intermediate, const Tensor& down_codes,
+                        const Tensor& down_scales, const Tensor& down_zeros) {
   const int64_t tokens = attention.size(0), hidden = residual.size(1);
-  at::Tensor out = at::empty({tokens, hidden}, attention.options());
+  Tensor out = new_empty(attention, {tokens, hidden});
   int8_matmul(out, attention, o_codes, o_scales, o_zeros);
-  add_rms_norm(out, residual, norm_weight, eps);
-  at::Tensor gate_up = at::empty({tokens, 2 * intermediate}, out.options());
+  rms_norm::add_rms_norm(out, residual, norm_weight, eps);
+  Tensor gate_up = new_empty(out, {tokens, 2 * intermediate});
   int8_matmul(gate_up, out, gate_up_codes, gate_up_scales, gate_up_zeros);
-  at::Tensor activation = at::empty({tokens, intermediate}, out.options());
-  call(silu_and_mul, {activation, gate_up});
-  at::Tensor down = at::empty({tokens, hidden}, out.options());
+  Tensor activation = new_empty(out, {tokens, intermediate});
+  activation::silu_and_mul(activation, gate_up);
+  Tensor down = new_empty(out, {tokens, hidden});
   int8_matmul(down, activation, down_codes, down_scales, down_zeros);
   return down;
 }
@@ -81,7 +64,7 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
 }  // namespace
 }  // namespace pagellm::kernels::decoder_layer
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("attention_input(Tensor(a!) x, Tensor(b!) residual, Tensor norm_weight, float eps, "
         "Tensor codes, Tensor scales, Tensor zeros, int features, Tensor angles, "
         "int rotated_width, int head_dim) -> Tensor");
@@ -91,9 +74,9 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor down_scales, Tensor down_zeros) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("attention_input", &pagellm::kernels::decoder_layer::attention_input);
-  m.impl("attention_output", &pagellm::kernels::decoder_layer::attention_output);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("attention_input", TORCH_BOX(&pagellm::kernels::decoder_layer::attention_input));
+  m.impl("attention_output", TORCH_BOX(&pagellm::kernels::decoder_layer::attention_output));
 }
 
 #endif  // __AVX2__

@@ -7,10 +7,8 @@
 // Work items are (request, kv head) pairs spread over the intra-op thread
 // pool; each handles the query heads that share its kv head.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +22,7 @@
 #endif
 
 #include "attention_scores.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -271,8 +270,8 @@ void attend_one(T* out, const T* query, const C* keys, const C* values, const in
 }
 
 template <typename T, typename C, int64_t kDim>
-void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
+void run(Tensor& out, const Tensor& query, const Tensor& kv_cache,
+         const Tensor& block_tables, const Tensor& seq_lens, const Shape& s,
          float scale, int64_t window) {
   const int64_t num_requests = query.size(0), group = s.num_heads / s.num_kv_heads;
   const int64_t layer_stride = s.num_kv_heads * s.num_blocks * s.block_size * s.head_dim;
@@ -320,8 +319,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
 }
 
 template <typename T, typename C>
-void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const Shape& s,
+void dispatch_dim(Tensor& out, const Tensor& query, const Tensor& kv_cache,
+                  const Tensor& block_tables, const Tensor& seq_lens, const Shape& s,
                   float scale, int64_t window) {
   switch (s.head_dim) {
     case 64: run<T, C, 64>(out, query, kv_cache, block_tables, seq_lens, s, scale, window); break;
@@ -333,33 +332,34 @@ void dispatch_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 // out, query: [N, H, D] of one dtype; kv_cache: [2, KVH, num_blocks, block_size, D] of any;
 // block_tables: [N, max_blocks] int64; seq_lens: [N] int64 (keys known to each query);
 // window > 0: each query sees only its last `window` keys (sliding-window attention).
-void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+void paged_decode_attention(Tensor out, const Tensor& query, const Tensor& kv_cache,
+                            const Tensor& block_tables, const Tensor& seq_lens,
                             double scale, int64_t window) {
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention expects contiguous tensors");
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
-              "paged_decode_attention: unexpected ranks");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(),
-              "paged_decode_attention: query and output dtypes differ");
+  PAGELLM_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous() &&
+                    block_tables.is_contiguous() && seq_lens.is_contiguous(),
+                "paged_decode_attention expects contiguous tensors");
+  PAGELLM_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
+                "paged_decode_attention: unexpected ranks");
+  PAGELLM_CHECK(out.scalar_type() == query.scalar_type(),
+                "paged_decode_attention: query and output dtypes differ");
   const Shape s{query.size(1),   kv_cache.size(1), query.size(2),
                 kv_cache.size(2), kv_cache.size(3), block_tables.size(1)};
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
-              "paged_decode_attention: head shapes do not match");
-  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
+  PAGELLM_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim,
+                "paged_decode_attention: head shapes do not match");
+  PAGELLM_CHECK(s.head_dim <= kMaxHeadDim, "paged_decode_attention: head_dim above ", kMaxHeadDim);
   // float16 queries take the float32 code: it widens each query value before use and rounds
   // each result once, as their own instantiation did, so the kernel compiles for two query
   // dtypes instead of three (its 45 forms were the kernels' longest compile).
-  if (query.scalar_type() == at::kHalf) {
-    at::Tensor wide = out.new_empty(out.sizes(), out.options().dtype(at::kFloat));
-    paged_decode_attention(wide, query.to(at::kFloat), kv_cache, block_tables, seq_lens, scale,
-                           window);
-    out.copy_(wide);
+  if (query.scalar_type() == ScalarType::Half) {
+    Tensor wide = torch::stable::new_empty(out, out.sizes(), ScalarType::Float);
+    paged_decode_attention(wide, torch::stable::to(query, ScalarType::Float), kv_cache,
+                           block_tables, seq_lens, scale, window);
+    torch::stable::copy_(out, wide);
     return;
   }
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-              "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  PAGELLM_CHECK(
+      query.scalar_type() == ScalarType::Float || query.scalar_type() == ScalarType::BFloat16,
+      "paged_decode_attention: unsupported dtype ", query.scalar_type());
   const float f = static_cast<float>(scale);
   auto with_query = [&](auto query_tag) {
     pagellm::dispatch_any_cache_dtype(kv_cache, "paged_decode_attention", [&](auto cache_tag) {
@@ -367,7 +367,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                                                              seq_lens, s, f, window);
     });
   };
-  if (query.scalar_type() == at::kBFloat16) {
+  if (query.scalar_type() == ScalarType::BFloat16) {
     with_query(c10::BFloat16{});
   } else {
     with_query(float{});
@@ -377,9 +377,12 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 }  // namespace
 }  // namespace pagellm::kernels::paged_attention
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &pagellm::kernels::paged_attention::paged_decode_attention); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("paged_decode_attention",
+         TORCH_BOX(&pagellm::kernels::paged_attention::paged_decode_attention));
+}

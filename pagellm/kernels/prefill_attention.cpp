@@ -25,8 +25,6 @@
 // output back, the same bits as rounding here: compiled once per query dtype, this file took
 // a third longer to build at a first start).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +35,7 @@
 #include <immintrin.h>
 
 #include "float_vectors.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -231,9 +230,9 @@ void attend_item(float* out, const float* query, const C* keys, const C* values,
 }
 
 template <typename C>
-void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-         const at::Tensor& query_starts, const at::Tensor& query_lens, const Shape& s,
+void run(Tensor& out, const Tensor& query, const Tensor& kv_cache,
+         const Tensor& block_tables, const Tensor& seq_lens,
+         const Tensor& query_starts, const Tensor& query_lens, const Shape& s,
          float scale, int64_t window) {
   const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
   const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
@@ -278,24 +277,25 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
 // strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
 // block_tables: [N, max_blocks]; seq_lens, query_starts (row of each chunk's first query),
 // query_lens: [N], all int64; window > 0: each query sees only its last `window` keys.
-void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
-                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& query_starts, const at::Tensor& query_lens,
+void paged_prefill_attention(Tensor out, const Tensor& query, const Tensor& kv_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens,
+                             const Tensor& query_starts, const Tensor& query_lens,
                              double scale, int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
-              "paged_prefill_attention: unexpected ranks");
-  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
-                  kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous() && query_starts.is_contiguous() &&
-                  query_lens.is_contiguous(),
-              "paged_prefill_attention: unexpected strides");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_prefill_attention: query and output must be float32");
+  PAGELLM_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
+                "paged_prefill_attention: unexpected ranks");
+  PAGELLM_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
+                    kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                    seq_lens.is_contiguous() && query_starts.is_contiguous() &&
+                    query_lens.is_contiguous(),
+                "paged_prefill_attention: unexpected strides");
+  PAGELLM_CHECK(
+      query.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
+      "paged_prefill_attention: query and output must be float32");
   const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
                 kv_cache.size(3), block_tables.size(1), query.stride(0)};
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
-                  s.head_dim % kTile == 0,
-              "paged_prefill_attention: head shapes do not match");
+  PAGELLM_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
+                    s.head_dim % kTile == 0,
+                "paged_prefill_attention: head shapes do not match");
   const float f = static_cast<float>(scale);
   pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
     run<decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens, query_starts,
@@ -307,15 +307,16 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
 }  // namespace pagellm::kernels::prefill_attention
 
 // Registered only where it is compiled: Python checks for the op.
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def(PAGELLM_CACHE_OP("paged_prefill_attention")
         "(Tensor(a!) out, Tensor query, Tensor kv_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, "
         "float scale, int window=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl(PAGELLM_CACHE_OP("paged_prefill_attention"), &pagellm::kernels::prefill_attention::paged_prefill_attention);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl(PAGELLM_CACHE_OP("paged_prefill_attention"),
+         TORCH_BOX(&pagellm::kernels::prefill_attention::paged_prefill_attention));
 }
 
 #endif

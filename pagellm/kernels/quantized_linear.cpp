@@ -15,8 +15,6 @@
 // scales, zeros: [N, K / G] float32 (zeros may be empty: all zero). The codes are
 // widened 32 at a time whatever G; a group of 16 scales half of them.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -30,6 +28,7 @@
 
 #include "float_transpose.h"
 #include "quantized_linear.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -323,24 +322,24 @@ void run(T* y, const T* x_in, int64_t m, int64_t k, int64_t n, const uint8_t* co
 }
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; bits: 4 or 8.
-void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes,
-                      const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
+void quantized_linear(Tensor y, const Tensor& x, const Tensor& codes,
+                      const Tensor& scales, const Tensor& zeros, int64_t bits,
                       bool panels_only) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
-                  y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
-              "quantized_linear expects contiguous x [M, K] and y [M, N] of one dtype");
+  PAGELLM_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
+  PAGELLM_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
+                    y.scalar_type() == x.scalar_type() && y.size(0) == x.size(0),
+                "quantized_linear expects contiguous x [M, K] and y [M, N] of one dtype");
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
-  TORCH_CHECK(k % kGroup == 0 && codes.is_contiguous() && codes.size(0) == n &&
-                  codes.size(1) * 8 == k * bits && codes.element_size() == 1,
-              "quantized_linear: codes must be [N, K * bits / 8] bytes with K a multiple of 32");
-  const bool zeros_fit = zeros.numel() == 0 || (zeros.scalar_type() == at::kFloat &&
+  PAGELLM_CHECK(k % kGroup == 0 && codes.is_contiguous() && codes.size(0) == n &&
+                    codes.size(1) * 8 == k * bits && codes.element_size() == 1,
+                "quantized_linear: codes must be [N, K * bits / 8] bytes with K a multiple of 32");
+  const bool zeros_fit = zeros.numel() == 0 || (zeros.scalar_type() == ScalarType::Float &&
                                                  zeros.is_contiguous() &&
                                                  zeros.numel() == scales.numel());
   const int64_t group = scales.numel() == n * (k / kGroup) ? kGroup : kHalfGroup;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == n * (k / group) && zeros_fit,
-              "quantized_linear: scales (and zeros) must be float32 [N, K / 32] or [N, K / 16]");
+  PAGELLM_CHECK(scales.scalar_type() == ScalarType::Float && scales.is_contiguous() &&
+                    scales.numel() == n * (k / group) && zeros_fit,
+                "quantized_linear: scales (and zeros) must be float32 [N, K / 32] or [N, K / 16]");
   const auto* code_ptr = static_cast<const uint8_t*>(codes.const_data_ptr());
   const float* zero_ptr = zeros.numel() ? zeros.const_data_ptr<float>() : nullptr;
   pagellm::dispatch_dtype(x, "quantized_linear", [&](auto tag) {
@@ -355,9 +354,11 @@ void quantized_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& codes
 }  // namespace
 }  // namespace pagellm::kernels::quantized_linear
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear(Tensor(a!) y, Tensor x, Tensor codes, Tensor scales, Tensor zeros, "
         "int bits, bool panels_only) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("quantized_linear", &pagellm::kernels::quantized_linear::quantized_linear); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("quantized_linear", TORCH_BOX(&pagellm::kernels::quantized_linear::quantized_linear));
+}

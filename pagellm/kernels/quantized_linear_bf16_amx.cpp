@@ -12,8 +12,6 @@
 // element i in the low nibble of byte i and element 16 + i in its high one. scales, zeros:
 // [P, K / 32, 16] float32, a group's scale and zero - offset * scale, as the int8 panels'.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +21,7 @@
 
 #include "amx_tiles.h"
 #include "quantized_linear.h"
+#include "stable_ops.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -208,17 +207,17 @@ void run(uint16_t* y, const uint16_t* x, int64_t m, int64_t k, int64_t n, const 
   });
 }
 
-void quantized_linear_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::Tensor& panels,
-                                 const at::Tensor& scales, const at::Tensor& zeros) {
-  TORCH_CHECK(tiles_permitted(), "quantized_linear_bf16_tiles: the OS grants no AMX tiles");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16,
-              "quantized_linear_bf16_tiles: bfloat16 rows only");
+void quantized_linear_bf16_tiles(Tensor& y, const Tensor& x, const Tensor& panels,
+                                 const Tensor& scales, const Tensor& zeros) {
+  PAGELLM_CHECK(tiles_permitted(), "quantized_linear_bf16_tiles: the OS grants no AMX tiles");
+  PAGELLM_CHECK(x.scalar_type() == ScalarType::BFloat16 && y.scalar_type() == ScalarType::BFloat16,
+                "quantized_linear_bf16_tiles: bfloat16 rows only");
   const auto* in = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   auto* out = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
   const float* s = scales.const_data_ptr<float>();
   const float* z = zeros.const_data_ptr<float>();
-  if (panels.scalar_type() == at::kChar) {
+  if (panels.scalar_type() == ScalarType::Char) {
     run(out, in, m, k, n, panels.const_data_ptr<int8_t>(), s, z);
   } else {
     run(out, in, m, k, n, panels.const_data_ptr<uint8_t>(), s, z);
@@ -229,14 +228,20 @@ void quantized_linear_bf16_tiles(at::Tensor& y, const at::Tensor& x, const at::T
 }  // namespace pagellm::quantized::bf16_tiles
 
 // Registered only where it is compiled: Python checks for the ops, then for the OS's grant.
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("quantized_linear_bf16_tiles(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
         "Tensor zeros) -> ()");
-  m.def("bf16_tiles_permitted() -> bool", &pagellm::quantized::tiles_permitted);
+  m.def("bf16_tiles_permitted() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("quantized_linear_bf16_tiles", &pagellm::quantized::bf16_tiles::quantized_linear_bf16_tiles);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("quantized_linear_bf16_tiles",
+         TORCH_BOX(&pagellm::quantized::bf16_tiles::quantized_linear_bf16_tiles));
+}
+
+// No tensor arguments to dispatch on: one kernel for every backend.
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CompositeExplicitAutograd, m) {
+  m.impl("bf16_tiles_permitted", TORCH_BOX(&pagellm::quantized::tiles_permitted));
 }
 
 #endif

@@ -5,14 +5,14 @@
 // normalization runs in float32, its result is rounded before the weight multiply,
 // and the product is rounded again. One pass per token row instead of eight ops.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "layer_ops.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -74,15 +74,17 @@ void norm_rows(T* x, T* residual, const T* weight, int64_t rows, int64_t size, i
   });
 }
 
-void check(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
-                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "rms_norm expects rows [T, size] with contiguous rows and a weight [size] of the "
-              "same dtype");
+void check(const Tensor& x, const Tensor& weight) {
+  PAGELLM_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+                    weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+                "rms_norm expects rows [T, size] with contiguous rows and a weight [size] of the "
+                "same dtype");
 }
 
+}  // namespace
+
 // x = norm(x) * weight, in place.
-void rms_norm(at::Tensor x, const at::Tensor& weight, double eps) {
+void rms_norm(Tensor x, const Tensor& weight, double eps) {
   check(x, weight);
   pagellm::dispatch_dtype(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
@@ -92,10 +94,10 @@ void rms_norm(at::Tensor x, const at::Tensor& weight, double eps) {
 }
 
 // residual += x; x = norm(residual) * weight, both in place.
-void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+void add_rms_norm(Tensor x, Tensor residual, const Tensor& weight, double eps) {
   check(x, weight);
   check(residual, weight);
-  TORCH_CHECK(residual.size(0) == x.size(0), "add_rms_norm: row counts differ");
+  PAGELLM_CHECK(residual.size(0) == x.size(0), "add_rms_norm: row counts differ");
   pagellm::dispatch_dtype(x, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     norm_rows<T>(x.mutable_data_ptr<T>(), residual.mutable_data_ptr<T>(),
@@ -104,15 +106,14 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, d
   });
 }
 
-}  // namespace
 }  // namespace pagellm::kernels::rms_norm
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("rms_norm", &pagellm::kernels::rms_norm::rms_norm);
-  m.impl("add_rms_norm", &pagellm::kernels::rms_norm::add_rms_norm);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&pagellm::kernels::rms_norm::rms_norm));
+  m.impl("add_rms_norm", TORCH_BOX(&pagellm::kernels::rms_norm::add_rms_norm));
 }

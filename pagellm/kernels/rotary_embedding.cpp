@@ -3,13 +3,13 @@
 // rounding per element, as the unfused torch path does. Queries and keys are
 // rotated in one call when they sit side by side in the fused QKV output.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <cstdint>
 
+#include "layer_ops.h"
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -41,14 +41,16 @@ void rotate(T* x, const float* table, int64_t tokens, int64_t heads, int64_t dim
   });
 }
 
+}  // namespace
+
 // x: [T, heads, dim] with contiguous heads rows; table: [T, dim] float32, cos of each
 // pair in its first half and sin in its second.
-void rotary_embedding(at::Tensor x, const at::Tensor& table) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "rotary_embedding expects [T, heads, dim] with contiguous head rows");
-  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat &&
-                  table.size(0) == x.size(0) && table.size(1) == x.size(2),
-              "rotary_embedding: the table must be float32 [T, dim]");
+void rotary_embedding(Tensor x, const Tensor& table) {
+  PAGELLM_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+                "rotary_embedding expects [T, heads, dim] with contiguous head rows");
+  PAGELLM_CHECK(table.is_contiguous() && table.scalar_type() == ScalarType::Float &&
+                    table.size(0) == x.size(0) && table.size(1) == x.size(2),
+                "rotary_embedding: the table must be float32 [T, dim]");
   const float* angles = table.const_data_ptr<float>();
   pagellm::dispatch_dtype(x, "rotary_embedding", [&](auto tag) {
     using T = decltype(tag);
@@ -57,11 +59,12 @@ void rotary_embedding(at::Tensor x, const at::Tensor& table) {
   });
 }
 
-}  // namespace
 }  // namespace pagellm::kernels::rotary_embedding
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor table) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("rotary_embedding", &pagellm::kernels::rotary_embedding::rotary_embedding); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("rotary_embedding", TORCH_BOX(&pagellm::kernels::rotary_embedding::rotary_embedding));
+}

@@ -5,12 +5,11 @@
 // decode step of 64 requests over SmolLM2's 49k vocabulary, 65 ms (torch.rand's noise,
 // 24 ms) against about 5 ms here.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "stable_ops.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::sampling_noise {
@@ -28,13 +27,13 @@ inline uint32_t fmix32(uint32_t x) {
 }
 
 // logits: [R, V] float32, contiguous; keys: [R] int64 holding 32-bit keys.
-void subtract_log_exponential(at::Tensor logits, const at::Tensor& keys) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  logits.scalar_type() == at::kFloat && keys.dim() == 1 &&
-                  keys.scalar_type() == at::kLong && keys.size(0) == logits.size(0),
-              "subtract_log_exponential expects logits float32 [R, V] and keys int64 [R]");
+void subtract_log_exponential(Tensor logits, const Tensor& keys) {
+  PAGELLM_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                    logits.scalar_type() == ScalarType::Float && keys.dim() == 1 &&
+                    keys.scalar_type() == ScalarType::Long && keys.size(0) == logits.size(0),
+                "subtract_log_exponential expects logits float32 [R, V] and keys int64 [R]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  const at::Tensor contiguous_keys = keys.contiguous();
+  const Tensor contiguous_keys = torch::stable::contiguous(keys);
   const int64_t* key = contiguous_keys.const_data_ptr<int64_t>();
   float* values = logits.mutable_data_ptr<float>();
   at::parallel_for(0, rows * vocab, 16384, [&](int64_t begin, int64_t end) {
@@ -56,10 +55,11 @@ void subtract_log_exponential(at::Tensor logits, const at::Tensor& keys) {
 }  // namespace
 }  // namespace pagellm::kernels::sampling_noise
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("subtract_log_exponential(Tensor(a!) logits, Tensor keys) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("subtract_log_exponential", &pagellm::kernels::sampling_noise::subtract_log_exponential);
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("subtract_log_exponential",
+         TORCH_BOX(&pagellm::kernels::sampling_noise::subtract_log_exponential));
 }

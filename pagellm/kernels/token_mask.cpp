@@ -7,13 +7,12 @@
 // and the rest often -1 (a copy, or nothing in place). Values move as raw bits: exact for
 // float32, bf16 and fp16 alike, NaN included.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -68,24 +67,24 @@ void mask_row(U* out, const U* in, const int32_t* words, int64_t vocab, U neg_in
 // out, logits: [R, V] float32, bf16 or fp16, contiguous (out may be logits itself);
 // bitmask: [G, W] int32 with 32 * W >= V; rows: int64 [G], the logits row of each bitmask
 // row. Rows without a mask are copied (nothing to do in place).
-void apply_token_bitmask(at::Tensor out, const at::Tensor& logits, const at::Tensor& bitmask,
-                         const at::Tensor& rows) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && out.sizes() == logits.sizes() &&
-                  out.is_contiguous() && out.scalar_type() == logits.scalar_type(),
-              "apply_token_bitmask expects out and logits [R, V] of one dtype, contiguous");
+void apply_token_bitmask(Tensor out, const Tensor& logits, const Tensor& bitmask,
+                         const Tensor& rows) {
+  PAGELLM_CHECK(logits.dim() == 2 && logits.is_contiguous() && out.sizes() == logits.sizes() &&
+                    out.is_contiguous() && out.scalar_type() == logits.scalar_type(),
+                "apply_token_bitmask expects out and logits [R, V] of one dtype, contiguous");
   const int64_t num_rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt &&
-                  bitmask.is_contiguous() && 32 * bitmask.size(1) >= vocab,
-              "apply_token_bitmask expects an int32 bitmask [G, W] with 32 * W >= vocab");
+  PAGELLM_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == ScalarType::Int &&
+                    bitmask.is_contiguous() && 32 * bitmask.size(1) >= vocab,
+                "apply_token_bitmask expects an int32 bitmask [G, W] with 32 * W >= vocab");
   const int64_t width = bitmask.size(1);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
-                  rows.numel() == bitmask.size(0),
-              "apply_token_bitmask expects rows int64 [G], a logits row per bitmask row");
+  PAGELLM_CHECK(rows.dim() == 1 && rows.scalar_type() == ScalarType::Long && rows.is_contiguous() &&
+                    rows.numel() == bitmask.size(0),
+                "apply_token_bitmask expects rows int64 [G], a logits row per bitmask row");
   std::vector<int64_t> mask_of(num_rows, -1);  // the bitmask row of each logits row
   const int64_t* row_ids = rows.const_data_ptr<int64_t>();
   for (int64_t g = 0; g < rows.numel(); ++g) {
-    TORCH_CHECK(row_ids[g] >= 0 && row_ids[g] < num_rows, "apply_token_bitmask: row ",
-                row_ids[g], " is outside the logits' ", num_rows, " rows");
+    PAGELLM_CHECK(row_ids[g] >= 0 && row_ids[g] < num_rows, "apply_token_bitmask: row ",
+                  row_ids[g], " is outside the logits' ", num_rows, " rows");
     mask_of[row_ids[g]] = g;
   }
   const int32_t* words = bitmask.const_data_ptr<int32_t>();
@@ -110,8 +109,10 @@ void apply_token_bitmask(at::Tensor out, const at::Tensor& logits, const at::Ten
 }  // namespace
 }  // namespace pagellm::kernels::token_mask
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("apply_token_bitmask(Tensor(a!) out, Tensor logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("apply_token_bitmask", &pagellm::kernels::token_mask::apply_token_bitmask); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("apply_token_bitmask", TORCH_BOX(&pagellm::kernels::token_mask::apply_token_bitmask));
+}

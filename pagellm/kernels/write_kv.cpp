@@ -4,11 +4,10 @@
 // value is rounded once to the cache's dtype as torch's casts round it (fp8 saturating at
 // its largest finite value, as attention._rounded does).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cstdint>
 
+#include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
 
@@ -49,26 +48,26 @@ void write(C* cache, const Rows& keys, const Rows& values, const int64_t* slots,
 // kv_cache: [2, KVH, num_blocks, block_size, D] contiguous, of float32, bfloat16, float16
 // or fp8; key, value: [T, KVH, D] of the model's dtype with contiguous head rows (views of
 // the fused QKV output are fine); slot_mapping: [T] int64, block * block_size + offset.
-void write_kv_cache(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value,
-                    const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2,
-              "write_kv_cache: the cache must be contiguous [2, KVH, blocks, block_size, D]");
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 &&
-                  value.stride(2) == 1 && key.scalar_type() == value.scalar_type(),
-              "write_kv_cache: key and value must be [T, KVH, D] of one dtype, rows contiguous");
-  TORCH_CHECK(key.size(1) == kv_cache.size(1) && key.size(2) == kv_cache.size(4),
-              "write_kv_cache: heads do not match the cache's");
-  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
-                  slot_mapping.numel() == key.size(0),
-              "write_kv_cache: slot_mapping must be [T] int64");
+void write_kv_cache(Tensor kv_cache, const Tensor& key, const Tensor& value,
+                    const Tensor& slot_mapping) {
+  PAGELLM_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2,
+                "write_kv_cache: the cache must be contiguous [2, KVH, blocks, block_size, D]");
+  PAGELLM_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 &&
+                    value.stride(2) == 1 && key.scalar_type() == value.scalar_type(),
+                "write_kv_cache: key and value must be [T, KVH, D] of one dtype, rows contiguous");
+  PAGELLM_CHECK(key.size(1) == kv_cache.size(1) && key.size(2) == kv_cache.size(4),
+                "write_kv_cache: heads do not match the cache's");
+  PAGELLM_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == ScalarType::Long &&
+                    slot_mapping.numel() == key.size(0),
+                "write_kv_cache: slot_mapping must be [T] int64");
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
   const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
   const Rows keys{key.const_data_ptr(), key.stride(0), key.stride(1)};
   const Rows values{value.const_data_ptr(), value.stride(0), value.stride(1)};
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
-                " is outside the cache's ", num_slots);
+    PAGELLM_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot ", slots[t],
+                  " is outside the cache's ", num_slots);
   }
   pagellm::dispatch_dtype(key, "write_kv_cache", [&](auto source_tag) {
     pagellm::dispatch_cache_dtype(kv_cache, "write_kv_cache", [&](auto cache_tag) {
@@ -82,10 +81,13 @@ void write_kv_cache(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor
 }  // namespace
 }  // namespace pagellm::kernels::write_kv
 
-TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def(PAGELLM_CACHE_OP("write_kv_cache")
         "(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) "
         "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl(PAGELLM_CACHE_OP("write_kv_cache"), &pagellm::kernels::write_kv::write_kv_cache); }
+STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl(PAGELLM_CACHE_OP("write_kv_cache"),
+         TORCH_BOX(&pagellm::kernels::write_kv::write_kv_cache));
+}
