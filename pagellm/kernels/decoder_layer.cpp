@@ -20,7 +20,30 @@
 namespace pagellm::kernels::decoder_layer {
 namespace {
 
-using torch::stable::new_empty;
+// A new [rows, columns] tensor of `like`'s dtype and device, allocated by the shim directly:
+// torch::stable::new_empty finds aten::new_empty by name at every call (1 us against
+// 0.25, five times a layer).
+Tensor new_rows(const Tensor& like, int64_t rows, int64_t columns) {
+  const int64_t sizes[2] = {rows, columns}, strides[2] = {columns, 1};
+  int32_t dtype, device_index;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(like.get(), &dtype));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle handle;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+      2, sizes, strides, dtype, aoti_torch_device_type_cpu(), device_index, &handle));
+  return Tensor(handle);
+}
+
+// The first `width` columns of qkv [tokens, features] as heads [tokens, width / head_dim,
+// head_dim]: a view, made in one shim call rather than narrow and view by name.
+Tensor leading_heads(const Tensor& qkv, int64_t width, int64_t head_dim) {
+  const int64_t sizes[3] = {qkv.size(0), width / head_dim, head_dim};
+  const int64_t strides[3] = {qkv.stride(0), head_dim, 1};
+  AtenTensorHandle handle;
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch__reinterpret_tensor(qkv.get(), 3, sizes, strides, 0, &handle));
+  return Tensor(handle);
+}
 
 void int8_matmul(const Tensor& y, const Tensor& x, const Tensor& codes, const Tensor& scales,
                  const Tensor& zeros) {
@@ -34,11 +57,9 @@ Tensor attention_input(Tensor x, Tensor residual, const Tensor& norm_weight, dou
                        int64_t head_dim) {
   rms_norm::add_rms_norm(x, residual, norm_weight, eps);
   const int64_t tokens = x.size(0);
-  Tensor qkv = new_empty(x, {tokens, features});
+  Tensor qkv = new_rows(x, tokens, features);
   int8_matmul(qkv, x, codes, scales, zeros);
-  const Tensor rotated = torch::stable::narrow(qkv, 1, 0, rotated_width);
-  rotary_embedding::rotary_embedding(torch::stable::view(rotated, {tokens, -1, head_dim}),
-                                     angles);
+  rotary_embedding::rotary_embedding(leading_heads(qkv, rotated_width, head_dim), angles);
   return qkv;
 }
 
@@ -49,14 +70,14 @@ Tensor attention_output(const Tensor& attention, Tensor residual, const Tensor& 
                         int64_t intermediate, const Tensor& down_codes,
                         const Tensor& down_scales, const Tensor& down_zeros) {
   const int64_t tokens = attention.size(0), hidden = residual.size(1);
-  Tensor out = new_empty(attention, {tokens, hidden});
+  Tensor out = new_rows(attention, tokens, hidden);
   int8_matmul(out, attention, o_codes, o_scales, o_zeros);
   rms_norm::add_rms_norm(out, residual, norm_weight, eps);
-  Tensor gate_up = new_empty(out, {tokens, 2 * intermediate});
+  Tensor gate_up = new_rows(out, tokens, 2 * intermediate);
   int8_matmul(gate_up, out, gate_up_codes, gate_up_scales, gate_up_zeros);
-  Tensor activation = new_empty(out, {tokens, intermediate});
+  Tensor activation = new_rows(out, tokens, intermediate);
   activation::silu_and_mul(activation, gate_up);
-  Tensor down = new_empty(out, {tokens, hidden});
+  Tensor down = new_rows(out, tokens, hidden);
   int8_matmul(down, activation, down_codes, down_scales, down_zeros);
   return down;
 }
