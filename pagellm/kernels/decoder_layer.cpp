@@ -10,10 +10,10 @@
 //   attention_output: o = int8 matmul(attention); residual += o; o = rms_norm(residual) * w;
 //                     -> down(silu(gate) * up) of o, gate and up one int8 matmul
 // The attention itself stays in Python (its step metadata chooses among the kernels).
+#include <cstdint>
+
 #include "layer_ops.h"
 #include "stable_ops.h"
-
-#include <cstdint>
 
 #ifdef __AVX2__
 
