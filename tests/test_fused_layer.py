@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import pagellm.model.fused_layer as fused_layer
 import pagellm.model.llama as llama_module
 from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.throughput import random_prompts
@@ -74,3 +75,19 @@ def test_only_plain_int8_projections_fuse(smollm2: LLM) -> None:
         assert not can_fuse(layer, x)
     finally:
         layer.mlp = mlp
+
+
+def test_decode_steps_attend_within_the_fused_call_with_the_same_bits(
+        smollm2: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-only step writes its keys and values and attends inside
+    decode_attention_output; the three calls of other steps give those tokens the same bits."""
+    served = []
+    choose = fused_layer.invariant_decode_group
+    monkeypatch.setattr(fused_layer, "invariant_decode_group",
+                        lambda *args: served.append(choose(*args) is not None) or choose(*args))
+    in_one_call = generate(smollm2)
+    layers = smollm2.engine.core.loaded.arch.num_hidden_layers
+    assert sum(served) >= 15 * (layers - 2)  # the 15 decode-only steps' middle layers
+    assert not all(served)  # the prompts' steps attend apart
+    monkeypatch.setattr(fused_layer, "invariant_decode_group", lambda *args: None)
+    assert generate(smollm2) == in_one_call

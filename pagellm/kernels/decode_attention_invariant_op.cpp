@@ -5,13 +5,14 @@
 #include <cstdint>
 
 #include "decode_attention_invariant.h"
+#include "layer_ops.h"
 #include "stable_ops.h"
 #include "tensor_dispatch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 namespace pagellm::kernels::decode_attention_invariant {
-namespace {
+inline namespace PAGELLM_CACHE_LIBRARY {
 
 // out: [N, H * D]; query: [N, H, D] (one token per request, at position seq_lens[n] - 1) with
 // unit strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
@@ -52,7 +53,7 @@ void paged_decode_attention_invariant(Tensor out, const Tensor& query,
   attend(operands);
 }
 
-}  // namespace
+}  // namespace PAGELLM_CACHE_LIBRARY
 }  // namespace pagellm::kernels::decode_attention_invariant
 
 // Registered only where it is compiled: Python checks for the op.

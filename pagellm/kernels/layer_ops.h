@@ -1,9 +1,13 @@
-// The ops a decoder layer's two fused calls (decoder_layer.cpp) run in turn, called directly:
+// The ops a decoder layer's fused calls (decoder_layer.cpp) run in turn, called directly:
 // the very functions registered as pagellm::add_rms_norm, quantized_linear_int8,
-// rotary_embedding and silu_and_mul, without a trip through the dispatcher. Compiled in the
-// same library.
+// rotary_embedding, silu_and_mul, write_kv_cache and paged_decode_attention_invariant,
+// without a trip through the dispatcher. Compiled in the same library; the last two also in
+// the on-demand one, for other caches, under another inline namespace (cache_types.h).
 #pragma once
 
+#include <cstdint>
+
+#include "cache_types.h"
 #include "stable_ops.h"
 
 namespace pagellm::kernels::rms_norm {
@@ -22,3 +26,18 @@ namespace pagellm::quantized::int8 {
 void quantized_linear_int8(Tensor y, const Tensor& x, const Tensor& panels,
                            const Tensor& scales, const Tensor& zeros);
 }  // namespace pagellm::quantized::int8
+
+namespace pagellm::kernels::write_kv {
+inline namespace PAGELLM_CACHE_LIBRARY {
+void write_kv_cache(Tensor kv_cache, const Tensor& key, const Tensor& value,
+                    const Tensor& slot_mapping);
+}  // namespace PAGELLM_CACHE_LIBRARY
+}  // namespace pagellm::kernels::write_kv
+
+namespace pagellm::kernels::decode_attention_invariant {
+inline namespace PAGELLM_CACHE_LIBRARY {
+void paged_decode_attention_invariant(Tensor out, const Tensor& query, const Tensor& kv_cache,
+                                      const Tensor& block_tables, const Tensor& seq_lens,
+                                      double scale, int64_t window);
+}  // namespace PAGELLM_CACHE_LIBRARY
+}  // namespace pagellm::kernels::decode_attention_invariant

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "layer_ops.h"
 #include "stable_ops.h"
 #include "tensor_dispatch.h"
 #include "vectorizable.h"
@@ -45,6 +46,10 @@ void write(C* cache, const Rows& keys, const Rows& values, const int64_t* slots,
   });
 }
 
+}  // namespace
+
+inline namespace PAGELLM_CACHE_LIBRARY {
+
 // kv_cache: [2, KVH, num_blocks, block_size, D] contiguous, of float32, bfloat16, float16
 // or fp8; key, value: [T, KVH, D] of the model's dtype with contiguous head rows (views of
 // the fused QKV output are fine); slot_mapping: [T] int64, block * block_size + offset.
@@ -78,7 +83,7 @@ void write_kv_cache(Tensor kv_cache, const Tensor& key, const Tensor& value,
   });
 }
 
-}  // namespace
+}  // namespace PAGELLM_CACHE_LIBRARY
 }  // namespace pagellm::kernels::write_kv
 
 STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {

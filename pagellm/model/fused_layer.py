@@ -1,5 +1,7 @@
 """A Llama-family decoder layer in three calls: C++ before its attention, the attention,
-C++ after it (kernels/decoder_layer.cpp).
+C++ after it (kernels/decoder_layer.cpp); in two where a decode-only step of the
+batch-invariant engine leaves one attention kernel to choose (invariant_decode_group), the
+second call writing the keys and values and attending too.
 
 At one decoding request a layer's kernels take about 70 us, and the Python around them
 (nine module calls, the projections' and norms' wrappers, a dozen views and checks) about
@@ -18,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagellm.kernels import int8_matmul_available
-from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.kernels import (DEFAULT_CACHE_DTYPES, decode_attention_invariant_available,
+                             int8_matmul_available)
+from pagellm.model.attention import AttentionGroup, AttentionMetadata, paged_attention
 from pagellm.model.layers import GatedMLP, RMSNorm
 from pagellm.model.quantized import Linear
 
@@ -94,6 +97,28 @@ def can_fuse(layer: DecoderLayer, x: torch.Tensor) -> bool:
     return fusable
 
 
+def invariant_decode_group(metadata: AttentionMetadata, kv_cache: torch.Tensor,
+                           qkv: torch.Tensor, head_dim: int) -> AttentionGroup | None:
+    """The step's one group where paged_attention would write every token's keys and values
+    and attend with the batch-invariant decode kernel of the default library, float32
+    queries in: a decode-only step of the batch-invariant engine on a float32 or bf16 cache.
+    decode_attention_output then serves the layer from its attention on. None otherwise."""
+    if metadata.kv_write_rows is not None or len(metadata.groups) != 1:
+        return None
+    group = metadata.groups[0]
+    if (group.all_tokens_in_order and group.prefill_kernel and group.query_index.shape[1] == 1
+            and qkv.dtype == torch.float32 and kv_cache.dtype in DEFAULT_CACHE_DTYPES
+            and head_dim % 16 == 0 and decode_attention_output_available()):
+        return group
+    return None
+
+
+@functools.cache
+def decode_attention_output_available() -> bool:
+    return (decode_attention_invariant_available()
+            and hasattr(torch.ops.pagellm, "decode_attention_output"))
+
+
 def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
                   angles: torch.Tensor, kv_cache: torch.Tensor,
                   metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +128,12 @@ def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
     qkv = torch.ops.pagellm.attention_input(x, residual, *args.norm_and_qkv, angles,
                                             *args.rotation)
     tokens, head_dim = qkv.shape[0], attention.head_dim
+    group = invariant_decode_group(metadata, kv_cache, qkv, head_dim)
+    if group is not None:
+        return torch.ops.pagellm.decode_attention_output(
+            qkv, residual, kv_cache, metadata.slot_mapping, group.block_tables, group.seq_lens,
+            attention.scale, attention.window, attention.num_heads, attention.num_kv_heads,
+            head_dim, *args.output), residual
     q_end, k_end = args.q_size, args.q_size + args.kv_size
     q = qkv[:, :q_end].view(tokens, attention.num_heads, head_dim)
     k = qkv[:, q_end:k_end].view(tokens, attention.num_kv_heads, head_dim)
