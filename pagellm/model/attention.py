@@ -241,6 +241,16 @@ def paged_attention(
     return out
 
 
+def attends_with_invariant_decode(group: AttentionGroup, kv_cache: torch.Tensor) -> bool:
+    """Whether the group is a decode-only batch-invariant step that the invariant decode
+    kernel attends: bit-identical to the prefill kernel's rows (which every other step's
+    tokens get), with the lanes kept busy."""
+    return (group.query_index.shape[1] == 1 and group.prefill_kernel
+            and kv_cache.shape[-1] % 16 == 0 and use_cpu_kernels(kv_cache)
+            and cache_kernels_available(kv_cache.dtype)
+            and decode_attention_invariant_available())
+
+
 def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
                   scale: float, window: int = 0) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
@@ -250,14 +260,11 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
                                       scale, window)
-    invariant_kernels = use_cpu_kernels(kv_cache) and cache_kernels_available(kv_cache.dtype)
-    if (max_q == 1 and group.prefill_kernel and head_dim % 16 == 0 and invariant_kernels
-            and decode_attention_invariant_available()):
-        # a decode-only batch-invariant step: bit-identical to the prefill kernel's rows (which
-        # every other step's tokens get), with the lanes kept busy
+    if attends_with_invariant_decode(group, kv_cache):
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention_invariant(queries, kv_cache, group.block_tables,
                                                 group.seq_lens, scale, window)
+    invariant_kernels = use_cpu_kernels(kv_cache) and cache_kernels_available(kv_cache.dtype)
     if (max_q > 1 or group.prefill_kernel) and invariant_kernels and prefill_attention_available():
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
                                        group.query_starts, group.query_lens,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagellm.kernels import (DEFAULT_CACHE_DTYPES, decode_attention_invariant_available,
-                             int8_matmul_available)
-from pagellm.model.attention import AttentionGroup, AttentionMetadata, paged_attention
+from pagellm.kernels import DEFAULT_CACHE_DTYPES, int8_matmul_available
+from pagellm.model.attention import (AttentionGroup, AttentionMetadata,
+                                     attends_with_invariant_decode, paged_attention)
 from pagellm.model.layers import GatedMLP, RMSNorm
 from pagellm.model.quantized import Linear
 
@@ -98,25 +98,24 @@ def can_fuse(layer: DecoderLayer, x: torch.Tensor) -> bool:
 
 
 def invariant_decode_group(metadata: AttentionMetadata, kv_cache: torch.Tensor,
-                           qkv: torch.Tensor, head_dim: int) -> AttentionGroup | None:
+                           qkv: torch.Tensor) -> AttentionGroup | None:
     """The step's one group where paged_attention would write every token's keys and values
-    and attend with the batch-invariant decode kernel of the default library, float32
-    queries in: a decode-only step of the batch-invariant engine on a float32 or bf16 cache.
-    decode_attention_output then serves the layer from its attention on. None otherwise."""
+    and attend it with the invariant decode kernel (attends_with_invariant_decode), float32
+    queries in and a cache of the default library's: decode_attention_output then serves the
+    layer from its attention on. None otherwise."""
     if metadata.kv_write_rows is not None or len(metadata.groups) != 1:
         return None
     group = metadata.groups[0]
-    if (group.all_tokens_in_order and group.prefill_kernel and group.query_index.shape[1] == 1
-            and qkv.dtype == torch.float32 and kv_cache.dtype in DEFAULT_CACHE_DTYPES
-            and head_dim % 16 == 0 and decode_attention_output_available()):
+    if (group.all_tokens_in_order and qkv.dtype == torch.float32
+            and kv_cache.dtype in DEFAULT_CACHE_DTYPES and decode_attention_output_available()
+            and attends_with_invariant_decode(group, kv_cache)):
         return group
     return None
 
 
 @functools.cache
 def decode_attention_output_available() -> bool:
-    return (decode_attention_invariant_available()
-            and hasattr(torch.ops.pagellm, "decode_attention_output"))
+    return fused_layer_available() and hasattr(torch.ops.pagellm, "decode_attention_output")
 
 
 def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
@@ -128,7 +127,7 @@ def fused_forward(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor,
     qkv = torch.ops.pagellm.attention_input(x, residual, *args.norm_and_qkv, angles,
                                             *args.rotation)
     tokens, head_dim = qkv.shape[0], attention.head_dim
-    group = invariant_decode_group(metadata, kv_cache, qkv, head_dim)
+    group = invariant_decode_group(metadata, kv_cache, qkv)
     if group is not None:
         return torch.ops.pagellm.decode_attention_output(
             qkv, residual, kv_cache, metadata.slot_mapping, group.block_tables, group.seq_lens,
