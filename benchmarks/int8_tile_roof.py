@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from best_of import best_seconds
 
 from pagellm.kernels import int8_matmul_available
 
@@ -100,20 +101,10 @@ def _build() -> None:
                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
-def best_seconds(call, tries: int = 20) -> float:
-    call()
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def products_gops(threads: int, scaled: bool, groups: int = 200_000) -> float:
     _build()
     seconds = best_seconds(
-        lambda: torch.ops.pagellm_bench.tile_products(groups, threads, scaled))
+        lambda: torch.ops.pagellm_bench.tile_products(groups, threads, scaled), tries=20)
     return threads * groups * _OPS_PER_GROUP / seconds / 1e9
 
 
@@ -126,7 +117,7 @@ def kernel_gops(rows: int) -> float:
         for _ in range(calls):
             torch.ops.pagellm.quantized_linear_int8(y, x, panels.codes, panels.scales,
                                                     panels.zeros)
-    return calls * 2 * rows * K * N / best_seconds(call) / 1e9
+    return calls * 2 * rows * K * N / best_seconds(call, tries=20) / 1e9
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import re
 import statistics
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from best_of import best_seconds
 from memory_roof import read_gbps
 
 from pagellm.kernels import int8_matmul_available
@@ -119,27 +119,17 @@ def matmul_peak_gflops(n: int = 2048, tries: int = 5) -> float:
     form = peak_form()
     if form != "int8":
         a, b = (torch.randn(n, n, dtype=getattr(torch, form)) for _ in range(2))
-        return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), tries) / 1e9
+        return 2 * n**3 / best_seconds(lambda: torch.matmul(a, b), tries) / 1e9
     a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8) for _ in range(2))
     with warnings.catch_warnings():  # quantized tensors are deprecated, not gone
         warnings.simplefilter("ignore")
         x = torch.quantize_per_tensor(torch.rand(n, n), 1 / 255, 0, torch.quint8)
         weight = torch.quantize_per_tensor(torch.randn(n, n), 1 / 32, 0, torch.qint8)
         packed = torch.ops.quantized.linear_prepack(weight, None)
-    seconds = _best_seconds(lambda: torch.ops.quantized.linear(x, packed, 1.0, 0), tries)
+    seconds = best_seconds(lambda: torch.ops.quantized.linear(x, packed, 1.0, 0), tries)
     if torch.cpu._is_vnni_supported():  # else a minute of the plain loop, for nothing
-        seconds = min(seconds, _best_seconds(lambda: torch._int_mm(a, b), tries))
+        seconds = min(seconds, best_seconds(lambda: torch._int_mm(a, b), tries))
     return 2 * n**3 / seconds / 1e9
-
-
-def _best_seconds(multiply: Callable[[], object], tries: int) -> float:
-    multiply()  # warm-up
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        multiply()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def decode_log_name(round_number: int) -> str:
