@@ -83,8 +83,13 @@ def test_decode_steps_attend_within_the_fused_call_with_the_same_bits(
     decode_attention_output; the three calls of other steps give those tokens the same bits."""
     served = []
     choose = fused_layer.invariant_decode_group
-    monkeypatch.setattr(fused_layer, "invariant_decode_group",
-                        lambda *args: served.append(choose(*args) is not None) or choose(*args))
+
+    def recording(*args):
+        group = choose(*args)
+        served.append(group is not None)
+        return group
+
+    monkeypatch.setattr(fused_layer, "invariant_decode_group", recording)
     in_one_call = generate(smollm2)
     layers = smollm2.engine.core.loaded.arch.num_hidden_layers
     assert sum(served) >= 15 * (layers - 2)  # the 15 decode-only steps' middle layers
