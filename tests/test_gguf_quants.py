@@ -31,20 +31,54 @@ Q5_0, Q5_1 = gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def assert_same_fields(ours: gguf.GGUFReader, theirs: gguf.GGUFReader) -> None:
+    """Every field's parts (the arrays transformers reads values from), in gguf's order and
+    dtypes, its data indices, types and offset."""
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert len(mine.parts) == len(field.parts), name
+        for part, reference in zip(mine.parts, field.parts):
+            assert part.dtype == reference.dtype and part.shape == reference.shape, name
+            assert np.array_equal(part, reference), name
+        assert mine.contents() == field.contents(), name
+
+
 def test_the_file_reader_reads_what_gguf_reads(smollm2_gguf: Path) -> None:
     """Every metadata value (the tokenizer's arrays among them) and every tensor of the
     embedded GGUF, as gguf's own reader gives them."""
     ours, theirs = GGUFFileReader(smollm2_gguf), gguf.GGUFReader(smollm2_gguf)
-    assert list(ours.fields) == list(theirs.fields)
-    for name, field in theirs.fields.items():
-        assert ours.fields[name].contents() == field.contents(), name
-        assert ours.fields[name].types == field.types, name
+    assert_same_fields(ours, theirs)
     assert len(ours.tensors) == len(theirs.tensors)
     for mine, reference in zip(ours.tensors, theirs.tensors):
         assert (mine.name, mine.tensor_type, list(mine.shape)) == (
             reference.name, reference.tensor_type, list(reference.shape))
         assert mine.data.dtype == reference.data.dtype
         assert np.array_equal(mine.data, reference.data)
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG],
+                         ids=["little-endian", "big-endian"])
+def test_the_file_reader_reads_every_kind_of_array(tmp_path: Path,
+                                                   endianess: gguf.GGUFEndian) -> None:
+    """Arrays the reader reads in one pass (strings, every scalar type) and those it leaves
+    to gguf (arrays of arrays), in either byte order, as gguf reads them."""
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    writer.add_array("strings", ["", "a", "ß€", "x" * 300])
+    writer.add_array("one.string", ["only"])
+    writer.add_array("nested", [[1, 2], [3]])
+    scalars = [kind for kind in gguf.GGUFValueType
+               if kind not in (gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)]
+    for kind in scalars:
+        values = [True, False] if kind == gguf.GGUFValueType.BOOL else [0, 1, 2]
+        writer.add_key_value(f"numbers.{kind.name}", values, gguf.GGUFValueType.ARRAY, kind)
+    writer.add_string("after", "the arrays")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert_same_fields(GGUFFileReader(path), gguf.GGUFReader(path))
 
 
 def test_the_model_reader_skips_only_the_long_arrays(smollm2_gguf: Path) -> None:
