@@ -20,7 +20,7 @@ from pagellm.kernels import cpu_kernels_available
 from pagellm.model.arch import arch_from_gguf, arch_from_hf_config
 from pagellm.model.errors import ModelLoadError
 from pagellm.model.gguf_file import GGUFFileReader, GGUFModelReader
-from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights
+from pagellm.model.gguf_weights import gguf_quantized_weights, gguf_weights, hf_name
 from pagellm.model.loader import load_model
 from pagellm.model.quantized import ANY_TOKENS, GroupQuantWeight, Linear
 
@@ -113,6 +113,24 @@ def test_q5_groups_are_the_dequantized_weights(tiny_model_factory: Callable[[str
         assert weight.bits == 8 and weight.codes.dtype == torch.int8
         assert (weight.zeros is None) == (quantization == Q5_0)
         torch.testing.assert_close(weight.dequantize(), dense[name], atol=1e-6, rtol=0)
+
+
+def test_q8_0_tensors_dequantize_to_gguf_s_values(tiny_model_factory: Callable[[str], Path],
+                                                  tmp_path: Path) -> None:
+    """Q8_0 embeddings and projections, which gguf_weights reads through their groups: the
+    very floats gguf-py's dequantizer gives (q and k aside, whose rows it also reorders)."""
+    path = write_tiny_gguf(tiny_model_factory("llama"), tmp_path / "tiny.gguf", Q8_0, Q8_0)
+    reader = gguf.GGUFReader(path)
+    dense = dict(gguf_weights(reader, arch_from_gguf(reader)))
+    compared = 0
+    for tensor in (t for t in reader.tensors if t.tensor_type == Q8_0):
+        name = hf_name(tensor.name)
+        if ".q_proj." in name or ".k_proj." in name:
+            continue
+        values = gguf.dequantize(tensor.data, Q8_0)
+        assert torch.equal(dense[name], torch.from_numpy(values).reshape(dense[name].shape)), name
+        compared += 1
+    assert "model.embed_tokens.weight" in dense and compared >= 2 + 5 * 2  # 2 layers
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
