@@ -107,12 +107,12 @@ def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
     weights are each one product of a code and a scale, exact in float32, so their groups
     give gguf's values: gguf-py has no dequantizer for Q8_K, and its numpy took 0.53 s for
     SmolLM2's Q8_0 embedding table (a first start's), against 0.17 s."""
+    shape = [int(d) for d in reversed(tensor.shape)]  # stacked experts: [experts, out, in]
     if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_K:
-        return _q8_k_groups(tensor).dequantize()
+        return _q8_k_groups(tensor).dequantize().reshape(shape)
     if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-        return _q8_groups(tensor).dequantize()
-    values = dequantize(tensor.data, tensor.tensor_type)
-    values = values.reshape([int(d) for d in reversed(tensor.shape)])
+        return _q8_groups(tensor).dequantize().reshape(shape)
+    values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if not values.flags.writeable:  # an unquantized tensor is a view of the read-only file map
         values = np.array(values)
     return torch.from_numpy(values)
