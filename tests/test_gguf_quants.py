@@ -127,8 +127,9 @@ def test_q8_0_tensors_dequantize_to_gguf_s_values(tiny_model_factory: Callable[[
         name = hf_name(tensor.name)
         if ".q_proj." in name or ".k_proj." in name:
             continue
-        values = gguf.dequantize(tensor.data, Q8_0)
-        assert torch.equal(dense[name], torch.from_numpy(values).reshape(dense[name].shape)), name
+        values = gguf.dequantize(tensor.data, Q8_0).reshape([int(d) for d in
+                                                             reversed(tensor.shape)])
+        assert torch.equal(dense[name], torch.from_numpy(values)), name
         compared += 1
     assert "model.embed_tokens.weight" in dense and compared >= 2 + 5 * 2  # 2 layers
 
