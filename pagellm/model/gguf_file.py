@@ -44,15 +44,15 @@ class GGUFFileReader(gguf.GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
         item, count = gguf.GGUFValueType(int(item_type[0])), int(length[0])
-        if item == gguf.GGUFValueType.STRING:
+        if item == gguf.GGUFValueType.STRING:  # a length and the bytes, the second the value
             values, end = self._string_parts(orig_offs + 12, count)
+            data = list(range(3, 2 + len(values), 2))
         elif item in self.gguf_scalar_to_np:
             array = self._get(orig_offs + 12, self.gguf_scalar_to_np[item], count)
             values, end = [array[i:i + 1] for i in range(count)], orig_offs + 12 + array.nbytes
+            data = list(range(2, 2 + count))
         else:  # arrays of arrays: gguf's walk
             return super()._get_field_parts(orig_offs, raw_type)
-        per_value = len(values) // count if count else 1
-        data = list(range(1 + per_value, 2 + len(values), per_value))
         types = [gguf.GGUFValueType.ARRAY] + ([item] if count else [])
         return end - orig_offs, [item_type, length, *values], data, types
 

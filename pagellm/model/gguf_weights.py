@@ -108,10 +108,9 @@ def _dequantized(tensor: gguf.ReaderTensor) -> torch.Tensor:
     give gguf's values: gguf-py has no dequantizer for Q8_K, and its numpy took 0.53 s for
     SmolLM2's Q8_0 embedding table (a first start's), against 0.17 s."""
     shape = [int(d) for d in reversed(tensor.shape)]  # stacked experts: [experts, out, in]
-    if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_K:
-        return _q8_k_groups(tensor).dequantize().reshape(shape)
-    if tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-        return _q8_groups(tensor).dequantize().reshape(shape)
+    groups = _EXACT_PRODUCT_READERS.get(tensor.tensor_type)
+    if groups is not None:
+        return groups(tensor).dequantize().reshape(shape)
     values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
     if not values.flags.writeable:  # an unquantized tensor is a view of the read-only file map
         values = np.array(values)
@@ -296,6 +295,10 @@ _GROUP_READERS = {gguf.GGMLQuantizationType.Q4_0: _q4_groups,
                   gguf.GGMLQuantizationType.Q6_K: _q6_k_groups,
                   gguf.GGMLQuantizationType.Q8_0: _q8_groups,
                   gguf.GGMLQuantizationType.Q8_K: _q8_k_groups}
+# Types whose weights are each one product of a code and a scale, exact in float32: their
+# groups dequantize to gguf's very values (_dequantized).
+_EXACT_PRODUCT_READERS = {kind: _GROUP_READERS[kind] for kind in (
+    gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q8_K)}
 
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                 gguf.GGMLQuantizationType.BF16)
