@@ -323,7 +323,8 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
     """A first start compiles the default path's kernels only; the plain paged decode
     attention, the attention and cache writes of fp16 and fp8 caches, the float-activation
     matmul, AMX's bf16 tiles and the cache eviction of the quantized forms' timing compile
-    when a configuration first asks for them, as a second library."""
+    when a configuration first asks for them, as a second library; the int8 matmul's forms
+    with float32 factors (K-quants') as a third."""
     import torch.utils.cpp_extension
 
     import pagellm.kernels as kernels
@@ -336,8 +337,9 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
     assert kernels.cpu_kernels_available.__wrapped__()
     monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: True)
     assert kernels.on_demand_kernels_available.__wrapped__()
-    default, on_demand = ([Path(unit).read_text() for unit in build["sources"]]
-                          for build in built)
+    assert kernels.int8_other_forms_available.__wrapped__()
+    default, on_demand, int8_forms = ([Path(unit).read_text() for unit in build["sources"]]
+                                      for build in built)
     assert not any(name in unit for unit in default
                    for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
                                 '"quantized_linear_bf16_amx.cpp"', '"cache_eviction.cpp"'))
@@ -346,8 +348,13 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
                          '#include "decode_attention_invariant_op.cpp"\n#include "write_kv.cpp"\n'
                          '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n'
                          '#include "cache_eviction.cpp"\n']
+    assert int8_forms == ['#include "quantized_linear_int8.cpp"\n'
+                          '#include "quantized_linear_amx.cpp"\n',
+                          '#include "quantized_linear_int8_op.cpp"\n']
     assert "-DPAGELLM_OTHER_CACHE_DTYPES" not in built[0]["extra_cflags"]
     assert "-DPAGELLM_OTHER_CACHE_DTYPES" in built[1]["extra_cflags"]
+    int8_define = ["-DPAGELLM_OTHER_INT8_FORMS" in build["extra_cflags"] for build in built]
+    assert int8_define == [False, False, True]
     assert Path(built[1]["sources"][0]).parent.name.startswith("pagellm_cpu_kernels_on_demand_")
 
 

@@ -17,6 +17,7 @@ import torch
 from test_quantized import needs_int8, random_weight
 
 from pagellm.kernels import quantized_linear_int8
+from pagellm.model.quantized import Int8Panels
 
 HAS_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
@@ -25,6 +26,32 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_int8_kernel import products
 torch.save(products(), sys.argv[2])
+"""
+
+# A fresh process, where no other test has loaded the library of the other forms yet.
+FORMS_BY_LIBRARY = """
+import torch
+from pagellm.kernels import cpu_kernels_available, quantized_linear_int8
+from pagellm.model.quantized import GroupQuantWeight, Int8Panels
+assert cpu_kernels_available()
+other = lambda: hasattr(torch.ops.pagellm, "quantized_linear_int8_other_forms")
+torch.manual_seed(0)
+scales = (torch.rand(70, 6) * 0.02 + 0.001).half().float()
+zeros = (torch.randn(70, 6) * 0.05).half().float() + 8 * scales  # folded: exact in float16
+weight = GroupQuantWeight(torch.randint(0, 16, (70, 192), dtype=torch.uint8), scales, zeros, 4)
+panels = weight.int8_panels()
+x = torch.randn(9, 192)
+default = quantized_linear_int8(x, panels.codes, panels.scales, panels.zeros, 70)
+assert panels.scales.dtype == torch.float16 and not other()
+wide = (panels.scales.float(), panels.zeros.float())
+try:
+    quantized_linear_int8(x, panels.codes, *wide, 70)
+    raise AssertionError("the default library multiplied float32 factors")
+except RuntimeError as error:
+    assert "another library's" in str(error), error
+wide = Int8Panels(panels.codes, *wide)
+assert other()
+assert torch.equal(quantized_linear_int8(x, wide.codes, wide.scales, wide.zeros, 70), default)
 """
 
 
@@ -78,3 +105,18 @@ def test_a_row_of_the_int8_kernel_does_not_depend_on_the_rows_beside_it(
                                          70)
         for i in range(tokens):
             assert torch.equal(together[i:i + 1], alone[i]), (tokens, i)
+
+
+@needs_int8
+def test_each_library_multiplies_its_own_int8_forms_and_the_default_one_hands_over_the_rest(
+) -> None:
+    """The default library has the float16 factors of Q4_0, Q4_1 and Q8_0 (a first start
+    compiles nothing more); panels with float32 factors load a library of their own when they
+    are made, and the default op passes them to its op: the very bits of the float16
+    panels'."""
+    subprocess.run([sys.executable, "-c", FORMS_BY_LIBRARY], check=True)
+    panels = random_weight(4, 70, 192, True).int8_panels()
+    half = Int8Panels(panels.codes, panels.scales.half(), panels.zeros.half())
+    with pytest.raises(RuntimeError, match="the default library multiplies"):
+        torch.ops.pagellm.quantized_linear_int8_other_forms(
+            torch.empty(1, 70), torch.randn(1, 192), half.codes, half.scales, half.zeros)

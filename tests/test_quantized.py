@@ -24,7 +24,7 @@ from pagellm.model.arch import ArchConfig
 from pagellm.model.gguf_weights import gguf_quantized_weights
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import LoadedModel, load_model
-from pagellm.model.quantized import GroupQuantWeight, Linear
+from pagellm.model.quantized import GroupQuantWeight, Int8Panels, Linear
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
@@ -172,20 +172,21 @@ def test_float16_scales_and_zeros_give_the_float32_ones_results(bits: int,
                                                                  with_zeros: bool) -> None:
     """GGUF stores these types' scales (and Q4_1's minimums) in float16: panels keep them so,
     half the bytes, every result equal to the bit (from 8 rows on AMX tiles, where the CPU
-    has them). Scales that float16 does not hold (as a K-quant's products of two scales) stay
-    float32."""
+    has them) to the float32 ones' (which another library multiplies). Scales that
+    float16 does not hold (as a K-quant's products of two scales) stay float32."""
     weight = random_weight(bits, 203, 288, with_zeros)
     weight.scales = weight.scales.half().float()
     if with_zeros:  # Q4_1's are its minimum m plus 8 scales (gguf_weights._q4_groups)
         weight.zeros = weight.zeros.half().float() + 8 * weight.scales
     panels = weight.int8_panels()
     assert panels.scales.dtype == panels.zeros.dtype == torch.float16
-    wide = (panels.scales.float(), panels.zeros.float())
+    wide = Int8Panels(panels.codes, panels.scales.float(), panels.zeros.float())
     generator = torch.Generator().manual_seed(bits)
     for dtype in (torch.float32, torch.bfloat16):
         for tokens in (*range(1, 18), 64, 200):
             x = torch.randn(tokens, 288, generator=generator).to(dtype)
-            assert torch.equal(quantized_linear_int8(x, panels.codes, *wide, 203),
+            assert torch.equal(quantized_linear_int8(x, wide.codes, wide.scales, wide.zeros,
+                                                     203),
                                quantized_linear_int8(x, panels.codes, panels.scales,
                                                      panels.zeros, 203)), (dtype, tokens)
     inexact = random_weight(bits, 203, 288, with_zeros).int8_panels()

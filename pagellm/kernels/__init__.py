@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from pagellm.kernels.build import (DEFAULT_UNITS, ON_DEMAND_DEFINES, ON_DEMAND_UNITS,
-                                   build_library)
+from pagellm.kernels.build import (DEFAULT_UNITS, INT8_FORMS_DEFINES, INT8_FORMS_UNITS,
+                                   ON_DEMAND_DEFINES, ON_DEMAND_UNITS, build_library)
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -186,6 +186,21 @@ def paged_decode_attention_invariant(query: torch.Tensor, kv_cache: torch.Tensor
 def int8_matmul_available() -> bool:
     """Whether quantized_linear_int8 was compiled: it needs AVX2 (vpmaddubsw)."""
     return cpu_kernels_available() and hasattr(torch.ops.pagellm, "quantized_linear_int8")
+
+
+@functools.cache
+def int8_other_forms_available() -> bool:
+    """Build (or load) the library of INT8_FORMS_UNITS, whose
+    quantized_linear_int8_other_forms multiplies the int8 panels with float32 factors;
+    quantized_linear_int8 hands those over to it."""
+    return cpu_kernels_available() and build_library("pagellm_cpu_kernels_int8_forms",
+                                                     INT8_FORMS_UNITS, INT8_FORMS_DEFINES)
+
+
+def require_int8_other_forms() -> None:
+    if not int8_other_forms_available():
+        raise RuntimeError("pagellm's int8 kernel for float32 factors (K-quants) could not be "
+                           "built on this machine (see the warning above)")
 
 
 def quantized_linear_int8(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,

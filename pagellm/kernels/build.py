@@ -33,12 +33,13 @@ _HERE = Path(__file__).parent
 # int8 kernel, its AMX form and the invariant decode attention include none of torch's
 # tensor headers (their ops, which check the tensors and hand their pointers over, are the
 # *_op.cpp files of the other unit), and the ops use torch's stable ABI (stable_ops.h),
-# whose headers parse in 2 s where torch/library.h took 6: on a 2-core AMD EPYC the ops'
-# unit takes 8.1 s alone (14.0 s with torch/library.h) and the kernels' 9.1-10.2. Each
-# template instantiation costs a first start seconds: the kernels instantiate only what this CPU runs
-# (the int8 kernel's instructions of one instruction set), what changes their arithmetic
-# (attention computes float32 queries; the wrappers widen others) and the default
-# configurations' KV caches (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype).
+# whose headers parse in 2 s where torch/library.h took 6. Each template instantiation costs
+# a first start seconds: the kernels instantiate only what this CPU runs (the int8 kernel's
+# instructions of one instruction set), what changes their arithmetic (attention computes
+# float32 queries; the wrappers widen others), the default configurations' KV caches
+# (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype) and the int8 forms of
+# Q4_0, Q4_1 and Q8_0 (quantized_linear.h; K-quants' are INT8_FORMS_UNITS'). On a 2-core AMD
+# EPYC, each alone: the ops' unit 6.9 s, the kernels' 4.5 s (8.3 with every int8 form).
 DEFAULT_UNITS = (
     ("prefill_attention.cpp", "write_kv.cpp", "rotary_embedding.cpp", "activation.cpp",
      "argmax.cpp", "rms_norm.cpp", "token_mask.cpp", "decoder_layer.cpp", "sampling_noise.cpp",
@@ -51,7 +52,6 @@ DEFAULT_UNITS = (
 # float activations (--no-gguf-int8-activations, --dtype float32), AMX's bf16 tiles (bf16
 # models) and the cache eviction that timing the quantized forms needs (a projection that
 # measures its forms, off the batch-invariant path): compiler time no default path needs.
-# 22.7 and 18.0 s each alone on the Xeon of DEFAULT_UNITS' figures.
 ON_DEMAND_UNITS = (
     ("paged_attention.cpp", "prefill_attention.cpp"),
     ("decode_attention_invariant.cpp", "decode_attention_invariant_op.cpp", "write_kv.cpp",
@@ -59,8 +59,15 @@ ON_DEMAND_UNITS = (
      "quantized_linear_bf16_amx.cpp", "cache_eviction.cpp"),
 )
 ON_DEMAND_DEFINES = ("PAGELLM_OTHER_CACHE_DTYPES",)
+# The int8 matmul's forms with float32 factors (K-quants', Q6_K's groups of 16 among them;
+# quantized_linear.h), as the op quantized_linear_int8_other_forms: a library of its own,
+# small enough not to hold up a first start of a K-quant model much (the on-demand one takes
+# 14 s on 2 cores).
+INT8_FORMS_UNITS = (("quantized_linear_int8.cpp", "quantized_linear_amx.cpp"),
+                    ("quantized_linear_int8_op.cpp",))
+INT8_FORMS_DEFINES = ("PAGELLM_OTHER_INT8_FORMS",)
 _SOURCES = sorted({_HERE / name for unit in (*DEFAULT_UNITS, *ON_DEMAND_UNITS)
-                   for name in unit})
+                   for name in unit})  # INT8_FORMS_UNITS' are among them
 # Every header here, so that a new one counts in the build's name without a list to extend.
 _HEADERS = sorted(_HERE.glob("*.h"))
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it; the runtime it links is the

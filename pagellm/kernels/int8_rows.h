@@ -107,8 +107,9 @@ Int8Rows quantize_rows(const T* x, int64_t m, int64_t padded, int64_t k, Place&&
 
 // Calls multiply(y, x, m, k, n, codes, scales, zeros) with pointers of x's dtype, of the
 // panels' code type (uint8_t: 4-bit codes, int8_t: 8-bit ones) and of the scales' and zeros'
-// type (float, or c10::Half where every factor is exact in float16): one kernel's `run`.
-template <typename Multiply>
+// type (float, or c10::Half where every factor is exact in float16): one kernel's `run`, for
+// the forms of groups of kGroupSize inputs this library compiles (int8_form_compiled).
+template <int64_t kGroupSize, typename Multiply>
 void dispatch_int8_operands(const Int8Operands& op, Multiply&& multiply) {
   auto with_activations = [&](auto tag) {
     using T = decltype(tag);
@@ -125,10 +126,10 @@ void dispatch_int8_operands(const Int8Operands& op, Multiply&& multiply) {
       }
     };
     if (op.half_factors) {
-      with_factors(c10::Half{});
+      if constexpr (int8_form_compiled(true, kGroupSize)) with_factors(c10::Half{});
     } else {
-      with_factors(float{});
-    }
+      if constexpr (int8_form_compiled(false, kGroupSize)) with_factors(float{});
+    }  // other forms are the other library's: its op never passes them here
   };
   switch (op.dtype) {
     case Activations::kFloat: with_activations(float{}); break;

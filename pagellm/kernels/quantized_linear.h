@@ -39,13 +39,40 @@ struct Int8Operands {
   int64_t group;
 };
 
-// The int8 matmul (quantized_linear_int8.cpp): on AMX tiles where those are permitted and
-// pay, else on AVX512-VNNI's or AVX2's instructions.
+// The int8 forms a library compiles: each is a copy of the kernel's tiles, seconds of the
+// compile a first start waits for. The default library has float16 factors in groups of 32,
+// the forms of Q4_0, Q4_1 and Q8_0 (every projection of the embedded SmolLM2); the library
+// of the other forms, built with PAGELLM_OTHER_INT8_FORMS (build.py), float32 factors in
+// groups of 32 or 16 (the K-quants', Q6_K's). Panels in groups of 16 keep float32 factors.
+// The default library's op hands the others to that library's (quantized_linear_int8_op.cpp),
+// which Python loads where panels of such a form are made (pagellm.model.quantized.Int8Panels).
+constexpr bool int8_form_compiled(bool half_factors, int64_t group) {
+#ifdef PAGELLM_OTHER_INT8_FORMS
+  return !half_factors;
+#else
+  return half_factors && group == kGroup;
+#endif
+}
+
+// Both libraries load into one process: the functions each defines for its own forms take
+// names of their own.
+#ifdef PAGELLM_OTHER_INT8_FORMS
+#define PAGELLM_INT8_LIBRARY other_int8_forms
+#else
+#define PAGELLM_INT8_LIBRARY default_int8_forms
+#endif
+
+inline namespace PAGELLM_INT8_LIBRARY {
+
+// The int8 matmul (quantized_linear_int8.cpp) of a form this library compiles: on AMX tiles
+// where those are permitted and pay, else on AVX512-VNNI's or AVX2's instructions.
 void int8_matmul(const Int8Operands& operands);
 
 // The matmul on AMX tiles (quantized_linear_amx.cpp), for groups of 32: writes y and returns
 // true, or returns false where the tiles are not permitted (amx_tiles.h) or x has too few
 // rows for them to pay (kTileMinRows there).
 bool int8_matmul_amx(const Int8Operands& operands);
+
+}  // namespace PAGELLM_INT8_LIBRARY
 
 }  // namespace pagellm::quantized

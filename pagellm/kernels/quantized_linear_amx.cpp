@@ -214,20 +214,25 @@ void run(T* y, const T* x, int64_t m, int64_t k, int64_t n, const Code* panel_co
 }  // namespace
 }  // namespace int8_tiles
 
+inline namespace PAGELLM_INT8_LIBRARY {
+
 bool int8_matmul_amx(const Int8Operands& operands) {
   if (operands.m < int8_tiles::kTileMinRows || !tiles_permitted()) return false;
-  dispatch_int8_operands(operands, [](auto... args) { int8_tiles::run(args...); });
+  dispatch_int8_operands<kGroup>(operands, [](auto... args) { int8_tiles::run(args...); });
   return true;
 }
 
+}  // namespace PAGELLM_INT8_LIBRARY
 }  // namespace pagellm::quantized
 
 #else
 
 namespace pagellm::quantized {
+inline namespace PAGELLM_INT8_LIBRARY {
 
 bool int8_matmul_amx(const Int8Operands&) { return false; }
 
+}  // namespace PAGELLM_INT8_LIBRARY
 }  // namespace pagellm::quantized
 
 #endif

@@ -244,13 +244,14 @@ void multiply(const Int8Operands& operands) {
     using Codes = std::conditional_t<std::is_same_v<Code, uint8_t>, CodeNibbles, CodeBytes>;
     run<kGroupSize, SumsOf<Codes>>(out, in, m, k, n, codes, s, z);
   };
-  dispatch_int8_operands(operands, run_on);
+  dispatch_int8_operands<kGroupSize>(operands, run_on);
 }
 
 }  // namespace
 }  // namespace pagellm::quantized::int8
 
 namespace pagellm::quantized {
+inline namespace PAGELLM_INT8_LIBRARY {
 
 void int8_matmul(const Int8Operands& operands) {
   if (operands.group == kHalfGroup) {  // the AMX kernel scales whole groups of 32
@@ -261,6 +262,7 @@ void int8_matmul(const Int8Operands& operands) {
   int8::multiply<kGroup>(operands);
 }
 
+}  // namespace PAGELLM_INT8_LIBRARY
 }  // namespace pagellm::quantized
 
 #endif  // __AVX2__

@@ -1,7 +1,10 @@
 // The op quantized_linear_int8: checks its tensors and calls the int8 matmul
 // (quantized_linear_int8.cpp, which describes the panels' layout) with their pointers. Apart
 // from the kernels so that their translation unit parses none of torch's tensor and
-// registration headers (build.py).
+// registration headers (build.py). The default library's op multiplies its own forms and
+// passes the others, by name, to quantized_linear_int8_other_forms, the same file built into
+// a library of its own (quantized_linear.h's int8_form_compiled).
+#include <array>
 #include <cstdint>
 
 #include "layer_ops.h"
@@ -22,7 +25,33 @@ Activations activations_of(const Tensor& x) {
   }
 }
 
+#ifdef PAGELLM_OTHER_INT8_FORMS
+#define PAGELLM_INT8_OP "quantized_linear_int8_other_forms"
+
+[[noreturn]] void multiply_elsewhere(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&) {
+  fail("quantized_linear_int8_other_forms: the default library multiplies panels with float16 "
+       "factors (pagellm::quantized_linear_int8)");
+}
+#else
+#define PAGELLM_INT8_OP "quantized_linear_int8"
+
+// The other library's op, called through the dispatcher: 1 us more per matmul (5.5 against
+// 4.4 us for a tiny one), on forms only K-quant models have. Its tensors are new references, which the call takes over.
+void multiply_elsewhere(const Tensor& y, const Tensor& x, const Tensor& panels,
+                        const Tensor& scales, const Tensor& zeros) {
+  using torch::stable::detail::from;
+  std::array<StableIValue, 5> stack{from(y), from(x), from(panels), from(scales), from(zeros)};
+  PAGELLM_CHECK(torch_call_dispatcher("pagellm::quantized_linear_int8_other_forms", "",
+                                      stack.data(), TORCH_ABI_VERSION) == AOTI_TORCH_SUCCESS,
+                "quantized_linear_int8: panels with float32 factors are another library's "
+                "(pagellm.kernels.require_int8_other_forms loads it)");
+}
+#endif
+
 }  // namespace
+
+inline namespace PAGELLM_INT8_LIBRARY {
 
 // y: [M, N] of x's dtype; x: [M, K] contiguous; panels, scales, zeros: see
 // quantized_linear_int8.cpp.
@@ -49,21 +78,27 @@ void quantized_linear_int8(Tensor y, const Tensor& x, const Tensor& panels,
                   "quantized_linear_int8: scales and zeros must be float32 or float16 (both "
                   "alike) [ceil(N / 16), K / 32 or K / 16, 16]");
   }
+  const bool half_factors = scales.scalar_type() == ScalarType::Half;
+  if (!int8_form_compiled(half_factors, group)) {
+    multiply_elsewhere(y, x, panels, scales, zeros);
+    return;
+  }
   int8_matmul({y.mutable_data_ptr(), x.const_data_ptr(), activations_of(x), x.size(0), k, n,
                panels.const_data_ptr(), !signed_codes, scales.const_data_ptr(),
-               zeros.const_data_ptr(), scales.scalar_type() == ScalarType::Half, group});
+               zeros.const_data_ptr(), half_factors, group});
 }
 
+}  // namespace PAGELLM_INT8_LIBRARY
 }  // namespace pagellm::quantized::int8
 
 // Registered only where it is compiled: Python checks for the op (int8_matmul_available).
 STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def("quantized_linear_int8(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
+  m.def(PAGELLM_INT8_OP "(Tensor(a!) y, Tensor x, Tensor panels, Tensor scales, "
         "Tensor zeros) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl("quantized_linear_int8", TORCH_BOX(&pagellm::quantized::int8::quantized_linear_int8));
+  m.impl(PAGELLM_INT8_OP, TORCH_BOX(&pagellm::quantized::int8::quantized_linear_int8));
 }
 
 #endif  // __AVX2__

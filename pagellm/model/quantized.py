@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import (cpu_kernels_available, int8_matmul_available, quantized_linear,
-                             quantized_linear_bf16_tiles, quantized_linear_int8)
+                             quantized_linear_bf16_tiles, quantized_linear_int8,
+                             require_int8_other_forms)
 from pagellm.model.torch_matmul import TORCH_INT4_MAX_TOKENS, TorchInt4, pack_weight, packed_linear
 
 CODE_BLOCK = 32  # inputs the kernels widen and lay out together: one scale or two
@@ -141,8 +142,8 @@ class GroupQuantWeight:
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
     def int8_panels(self) -> Int8Panels:
-        """The codes as the int8 kernel reads them (see Int8Panels), the scales and zeros in
-        float16 where that is exact."""
+        """The codes as the int8 kernel reads them (see Int8Panels), the scales and zeros of
+        groups of 32 in float16 where that is exact."""
         codes = _by_panel(self.codes)  # [P, 16, in]
         codes = codes.reshape(*codes.shape[:2], -1, CODE_BLOCK // 4, 4)
         codes = codes.permute(0, 2, 3, 1, 4)  # [P, in // 32, 8, 16, 4]
@@ -150,7 +151,9 @@ class GroupQuantWeight:
             halves = codes.reshape(*codes.shape[:3], 2, -1)  # features 0-7, then 8-15
             codes = halves[..., 0, :] | (halves[..., 1, :] << 4)
         factors = self._panel_factors()
-        return Int8Panels(codes.contiguous(), *_float16_if_exact(factors))
+        if self.group_size == CODE_BLOCK:  # the kernels take float16 factors per 32 only
+            factors = _float16_if_exact(factors)
+        return Int8Panels(codes.contiguous(), *factors)
 
     def bf16_tiles(self) -> Bf16Tiles:
         """The codes as the bf16 tile kernel reads them (see Bf16Tiles)."""
@@ -209,6 +212,13 @@ class Int8Panels:
     codes: torch.Tensor
     scales: torch.Tensor  # [P, in // G, 16] float32, or float16 where exact
     zeros: torch.Tensor  # [P, in // G, 16] as the scales
+
+    def __post_init__(self) -> None:
+        """Panels with float32 factors, which the default kernel library leaves out (see
+        quantized_linear.h), load the library whose op the default one hands them to, now
+        rather than in the first step that multiplies them."""
+        if self.scales.dtype != torch.float16 and int8_matmul_available():
+            require_int8_other_forms()
 
 
 @dataclasses.dataclass
