@@ -109,7 +109,12 @@ def products_gops(threads: int, scaled: bool, groups: int = 200_000) -> float:
 
 
 def kernel_gops(rows: int) -> float:
-    panels = random_weight(4, N, K, True).int8_panels()
+    """The kernel on Q4_1-style panels: float16 factors, as a GGUF's and the probe's."""
+    weight = random_weight(4, N, K, True)
+    weight.scales = weight.scales.half().float()
+    weight.zeros = weight.zeros.half().float() + 8 * weight.scales  # folded: exact in float16
+    panels = weight.int8_panels()
+    assert panels.scales.dtype == torch.float16
     calls = max(1, 512 // rows)
     x, y = torch.randn(rows, K), torch.empty(rows, N)
 

@@ -315,7 +315,8 @@ def test_a_library_that_does_not_load_is_built_again(monkeypatch: pytest.MonkeyP
     (tmp_path / name / f"{name}.so").write_bytes(b"half a library")
     assert kernels.cpu_kernels_available.__wrapped__()
     assert built == [[str(tmp_path / name / "unit_0.cpp"), str(tmp_path / name / "unit_1.cpp")]]
-    assert (tmp_path / name / "unit_0.cpp").read_text().startswith('#include "prefill_attention.cpp"')
+    assert (tmp_path / name / "unit_0.cpp").read_text().startswith(
+        '#include "prefill_attention_op.cpp"')
 
 
 def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
@@ -343,7 +344,8 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
     assert not any(name in unit for unit in default
                    for name in ('"paged_attention.cpp"', '"quantized_linear.cpp"',
                                 '"quantized_linear_bf16_amx.cpp"', '"cache_eviction.cpp"'))
-    assert on_demand == ['#include "paged_attention.cpp"\n#include "prefill_attention.cpp"\n',
+    assert on_demand == ['#include "paged_attention.cpp"\n#include "prefill_attention.cpp"\n'
+                         '#include "prefill_attention_op.cpp"\n',
                          '#include "decode_attention_invariant.cpp"\n'
                          '#include "decode_attention_invariant_op.cpp"\n#include "write_kv.cpp"\n'
                          '#include "quantized_linear.cpp"\n#include "quantized_linear_bf16_amx.cpp"\n'
@@ -359,10 +361,10 @@ def test_kernels_no_default_path_calls_build_as_a_library_of_their_own(
 
 
 def test_the_default_librarys_kernel_unit_parses_no_tensor_header():
-    """The int8 kernels and the invariant decode attention compile in a unit of their own
-    without torch's tensor and registration headers (3-4 s of a unit's compile); their ops
-    are in the other unit. Every file that unit includes, directly or through pagellm's own
-    headers, stays clear of them."""
+    """The int8 kernels and the attention kernels (prefill, invariant decode) compile in a
+    unit of their own without torch's tensor and registration headers (3-4 s of a unit's
+    compile); their ops are in the other unit. Every file that unit includes, directly or
+    through pagellm's own headers, stays clear of them."""
     import re
 
     from pagellm.kernels import build
@@ -374,7 +376,7 @@ def test_the_default_librarys_kernel_unit_parses_no_tensor_header():
             *(includes(header) for header in local))
 
     kernels_unit = build.DEFAULT_UNITS[1]
-    assert "decode_attention_invariant.cpp" in kernels_unit
+    assert {"decode_attention_invariant.cpp", "prefill_attention.cpp"} <= set(kernels_unit)
     for name in kernels_unit:
         assert not includes(name) & {"ATen/core/Tensor.h", "torch/library.h", "torch/extension.h",
                                      "ATen/ATen.h"}, name

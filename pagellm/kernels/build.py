@@ -30,21 +30,23 @@ _HERE = Path(__file__).parent
 # (pagellm::kernels::<file> or pagellm::quantized::<kind>) so that they can share one. The
 # default serving path's kernels are one library, built at a first start; those only some
 # configurations call are another, built when one first needs them (ON_DEMAND_UNITS). The
-# int8 kernel, its AMX form and the invariant decode attention include none of torch's
-# tensor headers (their ops, which check the tensors and hand their pointers over, are the
-# *_op.cpp files of the other unit), and the ops use torch's stable ABI (stable_ops.h),
-# whose headers parse in 2 s where torch/library.h took 6. Each template instantiation costs
-# a first start seconds: the kernels instantiate only what this CPU runs (the int8 kernel's
-# instructions of one instruction set), what changes their arithmetic (attention computes
-# float32 queries; the wrappers widen others), the default configurations' KV caches
-# (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype) and the int8 forms of
-# Q4_0, Q4_1 and Q8_0 (quantized_linear.h; K-quants' are INT8_FORMS_UNITS'). On a 2-core AMD
-# EPYC, each alone: the ops' unit 6.9 s, the kernels' 4.5 s (8.3 with every int8 form).
+# int8 kernel, its AMX form and the attention kernels (the prefill one and the invariant
+# decode one) include none of torch's headers (their ops, which check the tensors and hand
+# their pointers over, are the *_op.cpp files of the other unit), and the ops use torch's
+# stable ABI (stable_ops.h), whose headers parse in 2 s where torch/library.h took 6. Each
+# template instantiation costs a first start seconds: the kernels instantiate only what this
+# CPU runs (the int8 kernel's instructions of one instruction set), what changes their
+# arithmetic (attention computes float32 queries; the wrappers widen others), the default
+# configurations' KV caches (float32 and bf16; see tensor_dispatch.h's dispatch_cache_dtype)
+# and the int8 forms of Q4_0, Q4_1 and Q8_0 (quantized_linear.h; K-quants' are
+# INT8_FORMS_UNITS'). On a 2-core AMD EPYC, each unit alone: the ops' 6.0 s, the kernels'
+# 5.1 s (they were 6.9 and 8.3 s with every int8 form and the prefill kernel among the ops).
 DEFAULT_UNITS = (
-    ("prefill_attention.cpp", "write_kv.cpp", "rotary_embedding.cpp", "activation.cpp",
+    ("prefill_attention_op.cpp", "write_kv.cpp", "rotary_embedding.cpp", "activation.cpp",
      "argmax.cpp", "rms_norm.cpp", "token_mask.cpp", "decoder_layer.cpp", "sampling_noise.cpp",
      "quantized_linear_int8_op.cpp", "decode_attention_invariant_op.cpp"),
-    ("quantized_linear_int8.cpp", "quantized_linear_amx.cpp", "decode_attention_invariant.cpp"),
+    ("quantized_linear_int8.cpp", "quantized_linear_amx.cpp", "decode_attention_invariant.cpp",
+     "prefill_attention.cpp"),
 )
 # The decode attention of --no-batch-invariant (paged_attention), the batch-invariant
 # attention and cache writes again for fp16 and fp8 caches (built with
@@ -53,7 +55,7 @@ DEFAULT_UNITS = (
 # models) and the cache eviction that timing the quantized forms needs (a projection that
 # measures its forms, off the batch-invariant path): compiler time no default path needs.
 ON_DEMAND_UNITS = (
-    ("paged_attention.cpp", "prefill_attention.cpp"),
+    ("paged_attention.cpp", "prefill_attention.cpp", "prefill_attention_op.cpp"),
     ("decode_attention_invariant.cpp", "decode_attention_invariant_op.cpp", "write_kv.cpp",
      "quantized_linear.cpp",
      "quantized_linear_bf16_amx.cpp", "cache_eviction.cpp"),

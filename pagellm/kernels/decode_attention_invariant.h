@@ -5,13 +5,12 @@
 
 #include <cstdint>
 
+#include "attention_shape.h"
 #include "cache_types.h"
 
 namespace pagellm::kernels::decode_attention_invariant {
 
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
-};
+using Shape = AttentionShape;
 
 // out: [requests, H * D] float32; query: [requests, H, D] float32, rows `query_row_stride`
 // apart; kv_cache: [2, KVH, blocks_per_head, block_size, D] of `cache_type`; block_tables:

@@ -35,8 +35,7 @@
 #include <immintrin.h>
 
 #include "float_vectors.h"
-#include "stable_ops.h"
-#include "tensor_dispatch.h"
+#include "prefill_attention.h"
 #include "vectorizable.h"
 
 namespace pagellm::kernels::prefill_attention {
@@ -49,12 +48,7 @@ using pagellm::widen;
 // independent sums of FMAs.
 using namespace pagellm::float_vectors;
 
-constexpr int64_t kItemTokens = 32;     // query tokens per work item
-constexpr int64_t kTile = 4;            // keys (scores) or head dims (output) per register tile
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, query_row_stride;
-};
+constexpr int64_t kItemTokens = 32;  // query tokens per work item
 
 // s[j][r0..r0+kVecs*kWidth) = sum_i keys[j][i] * qt[i][r0..) for the 4 keys of `keys`. Each
 // lane sums its own row in the same order whatever kVecs is: a row's scores do not depend on
@@ -230,16 +224,12 @@ void attend_item(float* out, const float* query, const C* keys, const C* values,
 }
 
 template <typename C>
-void run(Tensor& out, const Tensor& query, const Tensor& kv_cache,
-         const Tensor& block_tables, const Tensor& seq_lens,
-         const Tensor& query_starts, const Tensor& query_lens, const Shape& s,
-         float scale, int64_t window) {
-  const int64_t requests = seq_lens.size(0), group = s.num_heads / s.num_kv_heads;
-  const int64_t head_stride = kv_cache.size(2) * s.block_size * s.head_dim;
+void run(const Operands& op) {
+  const Shape& s = op.shape;
+  const int64_t requests = op.requests, group = s.num_heads / s.num_kv_heads;
+  const int64_t head_stride = op.blocks_per_head * s.block_size * s.head_dim;
   const int64_t layer_stride = s.num_kv_heads * head_stride;
-  const int64_t *lens = seq_lens.const_data_ptr<int64_t>(),
-                *starts = query_starts.const_data_ptr<int64_t>(),
-                *q_lens = query_lens.const_data_ptr<int64_t>();
+  const int64_t *lens = op.seq_lens, *starts = op.query_starts, *q_lens = op.query_lens;
   // items: (request, kv head, first token); out rows: the requests' chunks one after another.
   // A request's later tokens see more keys: its items alternate first and last, so that the
   // pool's contiguous slices of items get equal work.
@@ -253,10 +243,7 @@ void run(Tensor& out, const Tensor& query, const Tensor& kv_cache,
     }
   }
   const int64_t chunks = static_cast<int64_t>(item_request.size());
-  const C* cache = kv_cache.const_data_ptr<C>();
-  const float* q = query.const_data_ptr<float>();
-  float* o = out.mutable_data_ptr<float>();
-  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const C* cache = static_cast<const C*>(op.kv_cache);
   at::parallel_for(0, chunks * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
@@ -264,59 +251,23 @@ void run(Tensor& out, const Tensor& query, const Tensor& kv_cache,
       const int64_t n = item_request[chunk];
       const int64_t rows = std::min(kItemTokens, q_lens[n] - item_first[chunk]) * group;
       auto attend = rows <= kWidth ? attend_item<C, 1> : attend_item<C, 2>;
-      attend(o + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
-             q + starts[n] * s.query_row_stride + h * group * s.head_dim,
+      attend(op.out + out_row[n] * s.num_heads * s.head_dim + h * group * s.head_dim,
+             op.query + starts[n] * s.query_row_stride + h * group * s.head_dim,
              cache + h * head_stride, cache + layer_stride + h * head_stride,
-             tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s, scale,
-             window, scratch);
+             op.block_tables + n * s.max_blocks, lens[n], q_lens[n], item_first[chunk], s,
+             op.scale, op.window, scratch);
     }
   });
 }
 
-// out: [sum(query_lens), H * D], the chunks in request order; query: [T, H, D] with unit
-// strides in its last two dims; kv_cache: [2, KVH, num_blocks, block_size, D];
-// block_tables: [N, max_blocks]; seq_lens, query_starts (row of each chunk's first query),
-// query_lens: [N], all int64; window > 0: each query sees only its last `window` keys.
-void paged_prefill_attention(Tensor out, const Tensor& query, const Tensor& kv_cache,
-                             const Tensor& block_tables, const Tensor& seq_lens,
-                             const Tensor& query_starts, const Tensor& query_lens,
-                             double scale, int64_t window) {
-  PAGELLM_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2,
-                "paged_prefill_attention: unexpected ranks");
-  PAGELLM_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
-                    kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                    seq_lens.is_contiguous() && query_starts.is_contiguous() &&
-                    query_lens.is_contiguous(),
-                "paged_prefill_attention: unexpected strides");
-  PAGELLM_CHECK(
-      query.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float,
-      "paged_prefill_attention: query and output must be float32");
-  const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
-                kv_cache.size(3), block_tables.size(1), query.stride(0)};
-  PAGELLM_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
-                    s.head_dim % kTile == 0,
-                "paged_prefill_attention: head shapes do not match");
-  const float f = static_cast<float>(scale);
-  pagellm::dispatch_cache_dtype(kv_cache, "paged_prefill_attention", [&](auto cache_tag) {
-    run<decltype(cache_tag)>(out, query, kv_cache, block_tables, seq_lens, query_starts,
-                             query_lens, s, f, window);
-  });
-}
-
 }  // namespace
+
+inline namespace PAGELLM_CACHE_LIBRARY {
+void attend(const Operands& operands) {
+  dispatch_cache_type(operands.cache_type, [&](auto tag) { run<decltype(tag)>(operands); });
+}
+}  // namespace PAGELLM_CACHE_LIBRARY
+
 }  // namespace pagellm::kernels::prefill_attention
-
-// Registered only where it is compiled: Python checks for the op.
-STABLE_TORCH_LIBRARY_FRAGMENT(pagellm, m) {
-  m.def(PAGELLM_CACHE_OP("paged_prefill_attention")
-        "(Tensor(a!) out, Tensor query, Tensor kv_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_starts, Tensor query_lens, "
-        "float scale, int window=0) -> ()");
-}
-
-STABLE_TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
-  m.impl(PAGELLM_CACHE_OP("paged_prefill_attention"),
-         TORCH_BOX(&pagellm::kernels::prefill_attention::paged_prefill_attention));
-}
 
 #endif
