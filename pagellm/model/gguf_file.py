@@ -6,10 +6,34 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import sys
 from collections.abc import Iterator
 
-import gguf
 import numpy as np
+
+
+@contextlib.contextmanager
+def _without_mistral_common() -> Iterator[None]:
+    """Imports in this block find no mistral_common. gguf's vocab module imports it for its
+    own conversion of Mistral vocabularies, which pagellm never calls, and goes on without it:
+    `import gguf` takes 0.10 s instead of 0.44 on a 2-core EPYC, in the engine core and in the
+    API server of a first start alike (restarts import neither). A None in sys.modules makes
+    an import fail; the entry is taken out again at once, so that pagellm's Mistral support
+    (pagellm/mistral) imports the package as usual. Where mistral_common is already imported,
+    gguf takes it."""
+    if "mistral_common" in sys.modules:
+        yield
+        return
+    sys.modules["mistral_common"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.modules.get("mistral_common", ...) is None:
+            del sys.modules["mistral_common"]
+
+
+with _without_mistral_common():
+    import gguf
 
 
 class GGUFFileReader(gguf.GGUFReader):
