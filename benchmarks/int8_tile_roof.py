@@ -65,10 +65,11 @@ int64_t tile_products(int64_t groups, int64_t threads, bool scaled) {
       for (int64_t g = 0; g < groups; ++g) {
         __m256i sums[R][2];
         group_sums<CodeNibbles, R, 0, 8>(codes[g % kGroups], inputs[g % kGroups], sums);
+        const NarrowFactors group_factors =
+            load_narrow_factors(factors[g % kGroups], factors[(g + 1) % kGroups]);
         for (int r = 0; r < R; ++r) {
           if (scaled) {
-            add_group(sums[r], 0.5f + r, 1.5f - r, factors[g % kGroups],
-                      factors[(g + 1) % kGroups], out + r * 16);
+            add_group(sums[r], 0.5f + r, 1.5f - r, group_factors, out + r * 16);
           } else {
             total = _mm256_add_epi32(total, _mm256_add_epi32(sums[r][0], sums[r][1]));
           }

@@ -68,17 +68,30 @@ inline __m512 load16_factors(const c10::Half* p) {
 }
 #endif
 
+// A group's 16 scales and zeros of a panel as float32, features 0-7 then 8-15: read and
+// widened once for all the rows of a tile. Read per row, they were four float16 loads and
+// conversions a row that the compiler could not share across rows: the rows' float32 sums
+// are stored between them, and an intrinsic's load may alias any store.
+struct NarrowFactors {
+  __m256 scale[2], zero[2];
+};
+
+template <typename S>
+inline NarrowFactors load_narrow_factors(const S* scales, const S* zeros) {
+  return {{load8_factors(scales), load8_factors(scales + 8)},
+          {load8_factors(zeros), load8_factors(zeros + 8)}};
+}
+
 // out[16] += a group's integer sums (int32, 8 features each) scaled by the panel's scale
 // times d, plus the panel's zero times the group's activation sum.
-template <typename S>
-inline void add_group(const __m256i (&sums)[2], float d, float sum, const S* scales,
-                      const S* zeros, float* out) {
+inline void add_group(const __m256i (&sums)[2], float d, float sum, const NarrowFactors& factors,
+                      float* out) {
   const __m256 row_scale = _mm256_set1_ps(d), row_sum = _mm256_set1_ps(sum);
   for (int h = 0; h < 2; ++h) {
     __m256 acc = _mm256_loadu_ps(out + 8 * h);
-    const __m256 scale = _mm256_mul_ps(load8_factors(scales + 8 * h), row_scale);
+    const __m256 scale = _mm256_mul_ps(factors.scale[h], row_scale);
     acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[h]), acc);
-    acc = _mm256_fmadd_ps(load8_factors(zeros + 8 * h), row_sum, acc);
+    acc = _mm256_fmadd_ps(factors.zero[h], row_sum, acc);
     _mm256_storeu_ps(out + 8 * h, acc);
   }
 }
@@ -90,7 +103,10 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 // Keeps v in a register here: without this, GCC regroups a tile's integer adds into a tree
-// over products it spills to memory.
+// over products it spills to memory. Not after a group's last step, whose sums go on to their
+// widening and scaling: there it made GCC store each sum and load it back at once, a stall at
+// every group (the 4-bit kernel, one thread of the AVX2 EPYC: 160-164 GOP/s without it there,
+// 145-150 with it; the 8-bit one unchanged, so it keeps it).
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // One group of a tile: sums[r][h] = the int32 sums of row r's products with features
@@ -113,8 +129,10 @@ __attribute__((always_inline)) inline void group_sums(const typename Codes::Byte
         const __m256i b = broadcast4(inputs + (j * R + r) * 4);
         sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_maddubs_epi16(w0, b));
         sums[r][1] = _mm256_add_epi16(sums[r][1], _mm256_maddubs_epi16(w1, b));
-        keep_in_register(sums[r][0]);
-        keep_in_register(sums[r][1]);
+        if (j + 1 < kLast) {
+          keep_in_register(sums[r][0]);
+          keep_in_register(sums[r][1]);
+        }
       }
     } else {  // signed codes: |code| times the activations with the codes' signs, to int32
       const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
@@ -152,10 +170,14 @@ struct NarrowSums {
                                                    const int8_t* inputs, Sums& sums) {
     group_sums<Codes, kRows, kFirst, kLast>(codes, inputs, sums);
   }
+  using Factors = NarrowFactors;
   template <typename S>
+  __attribute__((always_inline)) static Factors factors(const S* scales, const S* zeros) {
+    return load_narrow_factors(scales, zeros);
+  }
   __attribute__((always_inline)) static void add(const __m256i (&sums)[2], float d, float sum,
-                                                 const S* scales, const S* zeros, Acc& out) {
-    add_group(sums, d, sum, scales, zeros, out);
+                                                 const Factors& factors, Acc& out) {
+    add_group(sums, d, sum, factors, out);
   }
 };
 
@@ -211,12 +233,18 @@ struct WideSums {
       if constexpr (kSigned) sums[r] = _mm512_sub_epi32(sums[r], _mm512_slli_epi32(code_sums, 7));
     }
   }
+  struct Factors {
+    __m512 scale, zero;
+  };
   template <typename S>
+  __attribute__((always_inline)) static Factors factors(const S* scales, const S* zeros) {
+    return {load16_factors(scales), load16_factors(zeros)};
+  }
   __attribute__((always_inline)) static void add(const __m512i& sums, float d, float sum,
-                                                 const S* scales, const S* zeros, Acc& acc) {
-    const __m512 scale = _mm512_mul_ps(load16_factors(scales), _mm512_set1_ps(d));
+                                                 const Factors& factors, Acc& acc) {
+    const __m512 scale = _mm512_mul_ps(factors.scale, _mm512_set1_ps(d));
     acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc);
-    acc = _mm512_fmadd_ps(load16_factors(zeros), _mm512_set1_ps(sum), acc);
+    acc = _mm512_fmadd_ps(factors.zero, _mm512_set1_ps(sum), acc);
   }
 };
 #endif

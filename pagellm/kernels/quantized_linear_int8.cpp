@@ -125,17 +125,20 @@ __attribute__((always_inline)) inline void int8_tile(
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
       Policy::template group<kRows, 0, 8>(codes, inputs, sums);
+      const auto factors = Policy::factors(panel.scales + g * kPanel, panel.zeros + g * kPanel);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
-        Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r],
-                    panel.scales + g * kPanel, panel.zeros + g * kPanel, acc[r]);
+        Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r], factors,
+                    acc[r]);
       }
     } else {
       auto add_half = [&](int h) {
         const int64_t half = 2 * g + h;
+        const auto factors =
+            Policy::factors(panel.scales + half * kPanel, panel.zeros + half * kPanel);
         for (int r = 0; r < kRows; ++r) {
           Policy::add(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
-                      panel.scales + half * kPanel, panel.zeros + half * kPanel, acc[r]);
+                      factors, acc[r]);
         }
       };
       Policy::template group<kRows, 0, 4>(codes, inputs, sums);
