@@ -4,9 +4,8 @@
 // first start's compile take about as long (build.py).
 #include <cstdint>
 
+#include "attention_op.h"
 #include "prefill_attention.h"
-#include "stable_ops.h"
-#include "tensor_dispatch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -22,37 +21,12 @@ void paged_prefill_attention(Tensor out, const Tensor& query, const Tensor& kv_c
                              const Tensor& query_starts, const Tensor& query_lens,
                              double scale, int64_t window) {
   const char* op = "paged_prefill_attention";
-  PAGELLM_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2, op,
-                ": unexpected ranks");
-  PAGELLM_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() &&
-                    kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                    seq_lens.is_contiguous() && query_starts.is_contiguous() &&
-                    query_lens.is_contiguous(),
-                op, ": unexpected strides");
-  PAGELLM_CHECK(
-      query.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float, op,
-      ": query and output must be float32");
-  const Shape s{query.size(1),    kv_cache.size(1),     query.size(2),
-                kv_cache.size(3), block_tables.size(1), query.stride(0)};
-  PAGELLM_CHECK(s.num_heads % s.num_kv_heads == 0 && kv_cache.size(4) == s.head_dim &&
-                    s.head_dim % kTile == 0,
-                op, ": head shapes do not match");
-  Operands operands{out.mutable_data_ptr<float>(),
-                    query.const_data_ptr<float>(),
-                    kv_cache.const_data_ptr(),
-                    CacheType::kFloat,
-                    block_tables.const_data_ptr<int64_t>(),
-                    seq_lens.const_data_ptr<int64_t>(),
-                    query_starts.const_data_ptr<int64_t>(),
-                    query_lens.const_data_ptr<int64_t>(),
-                    seq_lens.size(0),
-                    kv_cache.size(2),
-                    s,
-                    static_cast<float>(scale),
-                    window};
-  pagellm::dispatch_cache_dtype(kv_cache, op, [&](auto cache_tag) {
-    operands.cache_type = cache_type_of<decltype(cache_tag)>();
-  });
+  Operands operands = attention_operands(op, out, query, kv_cache, block_tables, seq_lens,
+                                         scale, window, kTile);
+  PAGELLM_CHECK(query_starts.is_contiguous() && query_lens.is_contiguous(), op,
+                ": unexpected strides");
+  operands.query_starts = query_starts.const_data_ptr<int64_t>();
+  operands.query_lens = query_lens.const_data_ptr<int64_t>();
   attend(operands);
 }
 

@@ -37,7 +37,8 @@ Activations activations_of(const Tensor& x) {
 #define PAGELLM_INT8_OP "quantized_linear_int8"
 
 // The other library's op, called through the dispatcher: 1 us more per matmul (5.5 against
-// 4.4 us for a tiny one), on forms only K-quant models have. Its tensors are new references, which the call takes over.
+// 4.4 us for a tiny one), on forms only K-quant models have. Its tensors are new references,
+// which the call takes over.
 void multiply_elsewhere(const Tensor& y, const Tensor& x, const Tensor& panels,
                         const Tensor& scales, const Tensor& zeros) {
   using torch::stable::detail::from;
