@@ -13,6 +13,13 @@
 
 #ifdef __AVX2__
 
+// The name each library registers its op under.
+#ifdef PAGELLM_OTHER_INT8_FORMS
+#define PAGELLM_INT8_OP "quantized_linear_int8_other_forms"
+#else
+#define PAGELLM_INT8_OP "quantized_linear_int8"
+#endif
+
 namespace pagellm::quantized::int8 {
 namespace {
 
@@ -26,16 +33,12 @@ Activations activations_of(const Tensor& x) {
 }
 
 #ifdef PAGELLM_OTHER_INT8_FORMS
-#define PAGELLM_INT8_OP "quantized_linear_int8_other_forms"
-
 [[noreturn]] void multiply_elsewhere(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                      const Tensor&) {
   fail("quantized_linear_int8_other_forms: the default library multiplies panels with float16 "
        "factors (pagellm::quantized_linear_int8)");
 }
 #else
-#define PAGELLM_INT8_OP "quantized_linear_int8"
-
 // The other library's op, called through the dispatcher: 1 us more per matmul (5.5 against
 // 4.4 us for a tiny one), on forms only K-quant models have. Its tensors are new references,
 // which the call takes over.
@@ -80,6 +83,9 @@ void quantized_linear_int8(Tensor y, const Tensor& x, const Tensor& panels,
                   "alike) [ceil(N / 16), K / 32 or K / 16, 16]");
   }
   const bool half_factors = scales.scalar_type() == ScalarType::Half;
+  PAGELLM_CHECK(!half_factors || group == kGroup,
+                "quantized_linear_int8: float16 scales and zeros come in groups of 32 only "
+                "(no library compiles them per 16)");
   if (!int8_form_compiled(half_factors, group)) {
     multiply_elsewhere(y, x, panels, scales, zeros);
     return;
