@@ -19,14 +19,13 @@ namespace pagellm::bf16_widening {
 // value of dim kPairedDim[p] (the low halves of the two 128-bit lanes, then the high ones).
 constexpr int kPairedDim[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
-// out[16g + p] = row[16g + kPairedDim[p]] as float32, for n a multiple of 16.
-inline void widen_paired(float* out, const c10::BFloat16* row, int64_t n) {
+// The 16 values from `row` as float32 in kPairedDim's order: positions 0-7 in `low`, 8-15 in
+// `high`.
+inline void widen_paired(const c10::BFloat16* row, __m256& low, __m256& high) {
   const __m256i zero = _mm256_setzero_si256();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_unpacklo_epi16(zero, bits));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8), _mm256_unpackhi_epi16(zero, bits));
-  }
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  low = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, bits));
+  high = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, bits));
 }
 
 // out[i * out_stride + k] = keys[k * key_stride + i] as float32 for 8 keys k (zeros from key

@@ -129,20 +129,11 @@ void fold_block(Scratch& w, int64_t group, int64_t rows, int64_t keys, int64_t o
 }
 
 // Whether keys and values take bf16_widening's forms: bf16 ones, whole 16s of dims a row.
-// Values then widen with their dims reordered within each 16 (widen_paired), which an
-// item's output undoes: each dim's chain is the same wherever its lane.
+// Values then widen with their dims reordered within each 16 (PairedBf16ValueRows), which
+// an item's output undoes: each dim's chain is the same wherever its lane.
 template <typename C>
 inline bool widens_paired(int64_t d) {
   return std::is_same_v<C, c10::BFloat16> && d % 16 == 0;
-}
-
-// A block's `count` value rows as float32, in widens_paired's order where it applies.
-template <typename C>
-inline void widen_values(float* out, const C* rows, int64_t count, int64_t d) {
-  if constexpr (std::is_same_v<C, c10::BFloat16>) {
-    if (widens_paired<C>(d)) return bf16_widening::widen_paired(out, rows, count * d);
-  }
-  widen(out, rows, count * d);
 }
 
 // kt [d, blocks * padded] = the keys of `blocks` blocks from b0, widened and transposed
@@ -198,13 +189,28 @@ inline int chunk_ticks(int64_t chunk, int64_t blocks, int64_t group) {
   return static_cast<int>(chunk / kWidth + row_passes(group) + 2 * blocks);
 }
 
-void accumulate_block(Scratch& w, int64_t group, int64_t count, int64_t d, int64_t keys,
-                      int64_t offset) {
+template <typename Values>
+void accumulate_block(Scratch& w, const Values& values, int64_t group, int64_t count, int64_t d,
+                      int64_t keys, int64_t offset) {
   in_row_passes(group, [&](int64_t r, auto rows) {
-    accumulate_rows<decltype(rows)::value>(w.ot.data() + r * d, w.values.data(),
+    accumulate_rows<decltype(rows)::value>(w.ot.data() + r * d, values,
                                            w.scores.data() + r * keys + offset,
                                            w.correction.data() + r, count, d, keys);
   });
+}
+
+// Accumulates a block's `count` value rows: bf16 ones as they lie in the cache where they
+// widen paired, others widened into the scratch first.
+template <typename C>
+void accumulate_values(Scratch& w, const C* rows, int64_t group, int64_t count, int64_t d,
+                       int64_t keys, int64_t offset) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    if (widens_paired<C>(d)) {
+      return accumulate_block(w, PairedBf16ValueRows{rows, d}, group, count, d, keys, offset);
+    }
+  }
+  widen(w.values.data(), rows, count * d);
+  accumulate_block(w, FloatValueRows{w.values.data(), d}, group, count, d, keys, offset);
 }
 
 // One (request, kv head): its query heads' attention at position seq_len - 1.
@@ -234,12 +240,11 @@ void attend_item(float* out, const float* query, const BlockStream<C>& keys,
     score_chunk(w, keys, b0, blocks, padded, seq_len, group, d, bs);
     for (int64_t k = 0; k < blocks; ++k) {
       const int64_t b = b0 + k, count = std::min(bs, seq_len - b * bs);
-      widen_values(w.values.data(), values.block(b), count, d);
       fold_block(w, group, static_cast<int64_t>(w.max.size()), chunk, k * padded, count, padded,
                  static_cast<float>(b * bs), b * bs + count - 1 > position || b * bs < all_see,
                  static_cast<float>(position), window_keys);
       w.requests.tick();
-      accumulate_block(w, group, count, d, chunk, k * padded);
+      accumulate_values(w, values.block(b), group, count, d, chunk, k * padded);
       w.requests.tick();
     }
   }
