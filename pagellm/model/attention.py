@@ -8,10 +8,11 @@ block table. Requests are attended in two padded groups, one call each for the
 whole batch: decodes (one query token each) and prefills (chunks of prompt).
 Splitting keeps a long prefill chunk from padding every decode to its length.
 
-Where the CPU kernels attend, a batch-invariant step is one group instead, through the
-prefill kernel: each query row's result there depends only on its own query, position and
+Where the CPU kernels attend a batch-invariant step, its prefills go through the prefill
+kernel and its decodes through the invariant decode kernel, whose rows are bit-identical to
+the prefill kernel's: each query row's result depends only on its own query, position and
 keys, so a token attends alike as a decode, in a chunk of any size, or recomputed after
-preemption (the decode kernel sums in another order).
+preemption. (The other decode kernel sums in another order.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class AttentionGroup:
     block_size: int
     members: tuple[int, ...] = ()  # the step's requests in this group, by index
     all_tokens_in_order: bool = False  # token_index is 0..T-1: the step is this group alone
-    prefill_kernel: bool = False  # single queries too go through the prefill kernel
+    # attended by the kernels whose rows are bit-identical: the prefill kernel, and for single
+    # queries the invariant decode kernel where it applies (else the prefill kernel too)
+    batch_invariant: bool = False
     # torch ops' masks of sliding-window layers, by window size, built on first use
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -121,18 +124,15 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Group the step's requests; `seq_lens` count the tokens known after this step."""
     query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int64)
-    one_group = batch_invariant and _kernels_attend(device)
-    if one_group:
-        members_of_groups = [list(range(len(query_lens)))]
-    else:
-        members_of_groups = [[i for i, q in enumerate(query_lens) if q == 1],
-                             [i for i, q in enumerate(query_lens) if q > 1]]
+    members_of_groups = [[i for i, q in enumerate(query_lens) if q == 1],
+                         [i for i, q in enumerate(query_lens) if q > 1]]
     groups = [
         _build_group(members, query_starts, query_lens, seq_lens, block_tables, block_size, device)
         for members in members_of_groups if members
     ]
+    invariant = batch_invariant and _kernels_attend(device)
     for group in groups:
-        group.prefill_kernel = one_group
+        group.batch_invariant = invariant
     return AttentionMetadata(slot_mapping=slot_mapping, groups=groups,
                              num_tokens=int(sum(query_lens)), kv_write_rows=kv_write_rows)
 
@@ -242,10 +242,10 @@ def paged_attention(
 
 
 def attends_with_invariant_decode(group: AttentionGroup, kv_cache: torch.Tensor) -> bool:
-    """Whether the group is a decode-only batch-invariant step that the invariant decode
-    kernel attends: bit-identical to the prefill kernel's rows (which every other step's
-    tokens get), with the lanes kept busy."""
-    return (group.query_index.shape[1] == 1 and group.prefill_kernel
+    """Whether the group is a batch-invariant step's decodes (one query each) that the
+    invariant decode kernel attends: bit-identical to the prefill kernel's rows (which the
+    step's other tokens get), with the lanes kept busy."""
+    return (group.query_index.shape[1] == 1 and group.batch_invariant
             and kv_cache.shape[-1] % 16 == 0 and use_cpu_kernels(kv_cache)
             and cache_kernels_available(kv_cache.dtype)
             and decode_attention_invariant_available())
@@ -255,7 +255,7 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
                   scale: float, window: int = 0) -> torch.Tensor:
     num_reqs, max_q = group.query_index.shape
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    if (max_q == 1 and not group.prefill_kernel and use_cpu_kernels(kv_cache)
+    if (max_q == 1 and not group.batch_invariant and use_cpu_kernels(kv_cache)
             and on_demand_kernels_available()):
         queries = query if group.all_tokens_in_order else query[group.token_index]
         return paged_decode_attention(queries, kv_cache, group.block_tables, group.seq_lens,
@@ -265,7 +265,7 @@ def _attend_group(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionG
         return paged_decode_attention_invariant(queries, kv_cache, group.block_tables,
                                                 group.seq_lens, scale, window)
     invariant_kernels = use_cpu_kernels(kv_cache) and cache_kernels_available(kv_cache.dtype)
-    if (max_q > 1 or group.prefill_kernel) and invariant_kernels and prefill_attention_available():
+    if (max_q > 1 or group.batch_invariant) and invariant_kernels and prefill_attention_available():
         return paged_prefill_attention(query, kv_cache, group.block_tables, group.seq_lens,
                                        group.query_starts, group.query_lens,
                                        group.token_index.numel(), scale, window)
