@@ -72,8 +72,9 @@ _HELP = {
     "batch_invariant": "a request's logits are the same whatever else is in its step, however "
                        "its prompt is chunked and whether its prefix was cached (GGUF models on "
                        "CPU): each projection multiplies one form at every step size, and "
-                       "decodes attend through the prefill kernel; --no-batch-invariant times "
-                       "the fastest form per step size at start-up instead",
+                       "decodes attend through a kernel bit-identical to the prefill one; "
+                       "--no-batch-invariant times the fastest form per step size at start-up "
+                       "instead",
     "structured_outputs_config": "vLLM's structured outputs JSON: backend (auto, xgrammar or "
                                  "guidance), disable_fallback, disable_any_whitespace, "
                                  "disable_additional_properties (guidance), and pagellm's "

@@ -1,6 +1,6 @@
 // Decode attention (one query token per request) over the paged KV cache whose results are
 // bit-identical to paged_prefill_attention's for the same token: the batch-invariant engine
-// sends its decode-only steps here and its other steps to the prefill kernel, and a token's
+// sends a step's decodes here and its prompt chunks to the prefill kernel, and a token's
 // logits must not depend on which of the two attended it. For CPUs with AVX2 and FMA (on
 // AVX512, vectors twice as wide).
 //

@@ -69,7 +69,9 @@ struct FloatValueRows {
   int64_t d;
   static constexpr int64_t kDimStep = kWidth;  // a tile's dims start at a multiple of this
   // Vector v of row j's dims from `first`.
-  Vec load(int64_t j, int64_t first, int v) const { return load_vec(rows + j * d + first + v * kWidth); }
+  Vec load(int64_t j, int64_t first, int v) const {
+    return load_vec(rows + j * d + first + v * kWidth);
+  }
 };
 
 // ... or bf16 rows read from the cache, widened in the registers, each 16 dims in
@@ -85,8 +87,9 @@ struct PairedBf16ValueRows {
     __m256 low, high;
     bf16_widening::widen_paired(rows + j * d + first + v / kPerSixteen * 16, low, high);
 #if defined(__AVX512F__)
-    return _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+    const __m512d halves = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)),
+                                              _mm256_castps_pd(high), 1);
+    return _mm512_castpd_ps(halves);
 #else
     return v % 2 == 0 ? low : high;
 #endif
