@@ -18,8 +18,9 @@
 //
 // The codes come in panels of 16 output features, laid out at load time as vpmaddubsw wants
 // them (GroupQuantWeight.int8_panels): for each 4 consecutive inputs, the 16 features' 4
-// codes side by side (two vectors, features 0-7 then 8-15). Register tiles of 4 rows (8
-// with AVX512-VNNI) x 16 features keep their sums in registers for a whole group. The rounded
+// codes side by side (two vectors, features 0-7 then 8-15). Register tiles of 4 rows x 16
+// features (with AVX512-VNNI, 4 rows x 32 features of two panels for 4-bit codes, 8 x 16 for
+// 8-bit ones) keep their sums in registers for a whole group. The rounded
 // activations are stored interleaved by tile (4 inputs of each of the tile's rows in turn),
 // so a tile reads one stream rather than one per row.
 //
@@ -83,88 +84,121 @@ struct Int8Panel {
 // 4 KiB page, SmolLM2's 121 projections of a one-row step read their 98 MB at 21-25 GB/s,
 // where 2 threads can read 31 (benchmarks/memory_roof.py). Requested 4 KiB ahead: 3.7
 // against 4.4 ms for the 121 (medians of 300 passes, alternated in one process; an AVX2
-// EPYC; 1, 2 and 8 KiB ahead did less).
+// EPYC; 1, 2 and 8 KiB ahead did less). That is with one panel per tile; a tile of several
+// reads them side by side, so each requests its own group in the next tile's panels.
 constexpr int64_t kCodesAhead = 4096, kFactorsAhead = 512;
 
-// Requests the lines kCodesAhead past group g's codes and kFactorsAhead past its factors.
+struct Ahead {
+  int64_t codes, factors;  // bytes
+};
+
+template <typename Policy, typename S>
+Ahead ahead_of(int64_t groups, int64_t scale_groups) {
+  constexpr int P = Policy::kPanels;
+  if (P == 1) return {kCodesAhead, kFactorsAhead};
+  return {P * groups * 8 * Policy::Codes::kBytes,
+          static_cast<int64_t>(P * scale_groups * kPanel * sizeof(S))};
+}
+
+// Requests the lines `ahead` past group g's codes and factors.
 template <typename Codes, int kGroupSize, typename S>
 __attribute__((always_inline)) inline void request_ahead(const Int8Panel<Codes, S>& panel,
-                                                         int64_t g) {
+                                                         int64_t g, const Ahead& ahead) {
   const char* codes = reinterpret_cast<const char*>(panel.codes + g * 8 * Codes::kBytes);
 #pragma GCC unroll 8
   for (int64_t line = 0; line < 8 * Codes::kBytes; line += 64) {
-    __builtin_prefetch(codes + kCodesAhead + line);
+    __builtin_prefetch(codes + ahead.codes + line);
   }
   constexpr int64_t kFactors = kGroup / kGroupSize * kPanel;  // per group of 32 inputs
-  __builtin_prefetch(reinterpret_cast<const char*>(panel.scales + g * kFactors) + kFactorsAhead);
-  __builtin_prefetch(reinterpret_cast<const char*>(panel.zeros + g * kFactors) + kFactorsAhead);
+  __builtin_prefetch(reinterpret_cast<const char*>(panel.scales + g * kFactors) + ahead.factors);
+  __builtin_prefetch(reinterpret_cast<const char*>(panel.zeros + g * kFactors) + ahead.factors);
 }
 
-// out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and the
+// The policy's panels of a tile (Policy::kPanels of them), and where each one's sums go:
+// panel i's row r at out + i * stride + r * 16.
+template <typename Policy, typename S>
+struct TilePanels {
+  Int8Panel<typename Policy::Codes, S> panel[Policy::kPanels];
+  float* out;
+  int64_t stride;
+  Ahead ahead;
+};
+
+// out[r * 16 + f] += sum over groups of 32 [g0, g1) for the rows of tile `tile` and each
 // panel's 16 features, added group by group into the policy's accumulators; the first tile
-// of a pass over the panel (`first`) requests the panels ahead. Inlined: a call per tile and
+// of a pass over the panels (`first`) requests them ahead. Inlined: a call per tile and
 // chunk cost about 5%.
 template <typename Policy, int kGroupSize, int kRows, typename S>
-__attribute__((always_inline)) inline void int8_tile(
-    const Int8Rows& rows, int64_t tile, int64_t k,
-    const Int8Panel<typename Policy::Codes, S>& panel, int64_t g0, int64_t g1, bool first,
-    float* out) {
+__attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64_t tile,
+                                                     int64_t k, const TilePanels<Policy, S>& t,
+                                                     int64_t g0, int64_t g1, bool first) {
   using Codes = typename Policy::Codes;
-  constexpr int R = Policy::kTileRows;
+  constexpr int R = Policy::kTileRows, P = Policy::kPanels;
   const int64_t groups = k / kGroup;
   const int8_t* x = rows.values.data() + tile * k * R;
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
-  typename Policy::Acc acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = Policy::load(out + r * kPanel);
+  typename Policy::Acc acc[P][kRows];
+  for (int p = 0; p < P; ++p) {
+    for (int r = 0; r < kRows; ++r) acc[p][r] = Policy::load(t.out + p * t.stride + r * kPanel);
+  }
+  // Adds the sums of group g's inputs scaled per `factor_group` (g itself, or one of its
+  // halves with that half's activation sums).
+  auto add = [&](const typename Policy::Sums (&sums)[P], int64_t g, int64_t factor_group,
+                 const float* row_sums) {
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const auto factors = Policy::factors(t.panel[p].scales + factor_group * kPanel,
+                                           t.panel[p].zeros + factor_group * kPanel);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        Policy::add(sums[p][r], scales_of_rows[g * R + r], row_sums[r], factors, acc[p][r]);
+      }
+    }
+  };
   for (int64_t g = g0; g < g1; ++g) {
-    if (first) request_ahead<Codes, kGroupSize>(panel, g);
-    typename Policy::Sums sums;
-    const typename Codes::Byte* codes = panel.codes + g * 8 * Codes::kBytes;
+    const typename Codes::Byte* codes[P];
+    for (int p = 0; p < P; ++p) {
+      if (first) request_ahead<Codes, kGroupSize>(t.panel[p], g, t.ahead);
+      codes[p] = t.panel[p].codes + g * 8 * Codes::kBytes;
+    }
+    typename Policy::Sums sums[P];
     const int8_t* inputs = x + g * kGroup * R;
     if constexpr (kGroupSize == kGroup) {
       Policy::template group<kRows, 0, 8>(codes, inputs, sums);
-      const auto factors = Policy::factors(panel.scales + g * kPanel, panel.zeros + g * kPanel);
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        Policy::add(sums[r], scales_of_rows[g * R + r], sums_of_rows[g * R + r], factors,
-                    acc[r]);
-      }
+      add(sums, g, g, sums_of_rows + g * R);
     } else {
-      auto add_half = [&](int h) {
-        const int64_t half = 2 * g + h;
-        const auto factors =
-            Policy::factors(panel.scales + half * kPanel, panel.zeros + half * kPanel);
-        for (int r = 0; r < kRows; ++r) {
-          Policy::add(sums[r], scales_of_rows[g * R + r], half_sums_of_rows[2 * (g * R + r) + h],
-                      factors, acc[r]);
-        }
-      };
+      float half_sums[2][kRows];
+      for (int r = 0; r < kRows; ++r) {
+        for (int h = 0; h < 2; ++h) half_sums[h][r] = half_sums_of_rows[2 * (g * R + r) + h];
+      }
       Policy::template group<kRows, 0, 4>(codes, inputs, sums);
-      add_half(0);
+      add(sums, g, 2 * g, half_sums[0]);
       Policy::template group<kRows, 4, 8>(codes, inputs, sums);
-      add_half(1);
+      add(sums, g, 2 * g + 1, half_sums[1]);
     }
   }
-  for (int r = 0; r < kRows; ++r) Policy::store(acc[r], out + r * kPanel);
+  for (int p = 0; p < P; ++p) {
+    for (int r = 0; r < kRows; ++r) Policy::store(acc[p][r], t.out + p * t.stride + r * kPanel);
+  }
 }
 
 // A tile's rows that are not padding, rounded up to 1, 2, 4 or the whole tile: a decode of
 // one request computes one row, not a tile's. Each row's sums are its own, so they do not
 // depend on how many are computed (padding rows are zeros, never stored).
 template <typename Policy, int kGroupSize, typename S>
-__attribute__((always_inline)) inline void int8_live_tile(
-    int64_t live, const Int8Rows& rows, int64_t tile, int64_t k,
-    const Int8Panel<typename Policy::Codes, S>& panel, int64_t g0, int64_t g1, bool first,
-    float* out) {
+__attribute__((always_inline)) inline void int8_live_tile(int64_t live, const Int8Rows& rows,
+                                                          int64_t tile, int64_t k,
+                                                          const TilePanels<Policy, S>& t,
+                                                          int64_t g0, int64_t g1, bool first) {
   constexpr int R = Policy::kTileRows;
-  if (live == 1) return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, panel, g0, g1, first, out);
-  if (live == 2) return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, panel, g0, g1, first, out);
+  if (live == 1) return int8_tile<Policy, kGroupSize, 1>(rows, tile, k, t, g0, g1, first);
+  if (live == 2) return int8_tile<Policy, kGroupSize, 2>(rows, tile, k, t, g0, g1, first);
   if (live <= 4 && R > 4) {
-    return int8_tile<Policy, kGroupSize, 4>(rows, tile, k, panel, g0, g1, first, out);
+    return int8_tile<Policy, kGroupSize, 4>(rows, tile, k, t, g0, g1, first);
   }
-  int8_tile<Policy, kGroupSize, R>(rows, tile, k, panel, g0, g1, first, out);
+  int8_tile<Policy, kGroupSize, R>(rows, tile, k, t, g0, g1, first);
 }
 
 // Rows [m0, m0 + rows) of one panel's float32 sums, `width` features from n0, into y of the
@@ -179,9 +213,11 @@ void store_panel(void* y, int64_t n, int64_t m0, int64_t rows, int64_t n0, int64
 }
 using StorePanel = void (*)(void*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*);
 
-// The rounded rows times every panel. Compiled once per policy, group size and factor type,
-// whatever the activations' dtype (only `store` depends on it): its inlined tiles are most of
-// this file's compile time, which a first start on a new machine waits for.
+// The rounded rows times every panel, Policy::kPanels at a time: where the panels do not
+// divide among them, the last tile's missing ones repeat its first, whose sums are not stored.
+// Compiled once per policy, group size and factor type, whatever the activations' dtype (only
+// `store` depends on it): its inlined tiles are most of this file's compile time, which a
+// first start on a new machine waits for.
 template <int kGroupSize, typename Policy, typename S>
 __attribute__((noinline)) void multiply_rows(
     const Int8Rows& rows, int64_t m, int64_t padded, int64_t k, int64_t n,
@@ -190,26 +226,34 @@ __attribute__((noinline)) void multiply_rows(
   using Codes = typename Policy::Codes;
   const int64_t groups = k / kGroup, chunk = input_chunk(k) / kGroup;
   const int64_t scale_groups = k / kGroupSize;
-  constexpr int R = Policy::kTileRows;
+  constexpr int R = Policy::kTileRows, P = Policy::kPanels;
   const int64_t block_rows = std::min(kBlockRows, padded), panels = (n + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(block_rows * kPanel);
+  auto panel_at = [&](int64_t p) {
+    return Int8Panel<Codes, S>{panel_codes + p * (k / kGroup) * 8 * Codes::kBytes,
+                               panel_scales + p * scale_groups * kPanel,
+                               panel_zeros + p * scale_groups * kPanel};
+  };
+  const Ahead ahead = ahead_of<Policy, S>(groups, scale_groups);
+  at::parallel_for(0, (panels + P - 1) / P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(P * block_rows * kPanel);
     for (int64_t m0 = 0; m0 < padded; m0 += block_rows) {
       const int64_t block = std::min(block_rows, padded - m0);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
-        const Int8Panel<Codes, S> panel{panel_codes + p * (k / kGroup) * 8 * Codes::kBytes,
-                                    panel_scales + p * scale_groups * kPanel,
-                                    panel_zeros + p * scale_groups * kPanel};
+      for (int64_t q = begin; q < end; ++q) {
+        TilePanels<Policy, S> t{{}, out.data(), block_rows * kPanel, ahead};
+        for (int i = 0; i < P; ++i) t.panel[i] = panel_at(q * P + i < panels ? q * P + i : q * P);
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-          for (int64_t t = 0; t < block; t += R) {
-            int8_live_tile<Policy, kGroupSize>(m - m0 - t, rows, (m0 + t) / R, k,
-                                               panel, g0, std::min(groups, g0 + chunk),
-                                               t == 0, out.data() + t * kPanel);
+          for (int64_t row = 0; row < block; row += R) {
+            t.out = out.data() + row * kPanel;
+            int8_live_tile<Policy, kGroupSize>(m - m0 - row, rows, (m0 + row) / R, k, t, g0,
+                                               std::min(groups, g0 + chunk), row == 0);
           }
         }
-        store_rows(y, n, m0, std::min(block, m - m0), n0, width, out.data());
+        for (int64_t p = q * P; p < std::min(panels, q * P + P); ++p) {
+          const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, n - n0);
+          store_rows(y, n, m0, std::min(block, m - m0), n0, width,
+                     out.data() + (p - q * P) * block_rows * kPanel);
+        }
       }
     }
   });
