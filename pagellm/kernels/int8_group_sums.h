@@ -8,9 +8,12 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "quantized_linear.h"
 
 #ifdef __AVX2__
 
@@ -169,6 +172,10 @@ struct NarrowSums {
   using Sums = __m256i[kTileRows][2];
   using Acc = float*;  // a row's 16 sums stay in memory: AVX2 has 16 vector registers
   static Acc load(float* out) { return out; }
+  static Acc zero(float* out) {
+    std::fill_n(out, kPanel, 0.f);
+    return out;
+  }
   static void store(Acc, float*) {}
   template <int kRows, int kFirst, int kLast>
   __attribute__((always_inline)) static void group(
@@ -210,6 +217,7 @@ struct WideSums {
   using Sums = __m512i[kTileRows];
   using Acc = __m512;  // a row's 16 sums of a panel, in a register over the tile's groups
   static Acc load(const float* out) { return _mm512_loadu_ps(out); }
+  static Acc zero(const float*) { return _mm512_setzero_ps(); }
   static void store(Acc acc, float* out) { _mm512_storeu_ps(out, acc); }
   template <int kRows, int kFirst, int kLast>
   __attribute__((always_inline)) static void group(

@@ -139,9 +139,13 @@ __attribute__((always_inline)) inline void int8_tile(const Int8Rows& rows, int64
   const float* scales_of_rows = rows.scales.data() + tile * groups * R;
   const float* sums_of_rows = rows.sums.data() + tile * groups * R;
   const float* half_sums_of_rows = rows.half_sums.data() + 2 * tile * groups * R;
+  // The first pass over the inputs starts its sums at zero; later ones go on from `out`.
   typename Policy::Acc acc[P][kRows];
   for (int p = 0; p < P; ++p) {
-    for (int r = 0; r < kRows; ++r) acc[p][r] = Policy::load(t.out + p * t.stride + r * kPanel);
+    for (int r = 0; r < kRows; ++r) {
+      float* sums = t.out + p * t.stride + r * kPanel;
+      acc[p][r] = g0 == 0 ? Policy::zero(sums) : Policy::load(sums);
+    }
   }
   // Adds the sums of group g's inputs scaled per `factor_group` (g itself, or one of its
   // halves with that half's activation sums).
@@ -241,7 +245,6 @@ __attribute__((noinline)) void multiply_rows(
       for (int64_t q = begin; q < end; ++q) {
         TilePanels<Policy, S> t{{}, out.data(), block_rows * kPanel, ahead};
         for (int i = 0; i < P; ++i) t.panel[i] = panel_at(q * P + i < panels ? q * P + i : q * P);
-        std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
           for (int64_t row = 0; row < block; row += R) {
             t.out = out.data() + row * kPanel;
